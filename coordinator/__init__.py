@@ -1,0 +1,35 @@
+"""Ray side of hybrid_iter: the pure epoch/termination state machine, the coordinator
+actor that wraps it (a plain class, made an actor where it is launched), and the
+versioned variables store of the parameter server.
+
+Never imports pyspark or hybrid_iter.
+"""
+
+from ._actor import CoordinatorCollector, CoordinatorContext, CoordinatorSpec, IterationCoordinator
+from ._errors import RemoteFailure, VariablesMismatchError
+from ._protocol import Emissions, OutputRecord, Progress, Reply, ResultData
+from ._state import EpochCounts, EpochStateMachine, Release, StateMachineError, TerminationReason
+from ._variables import VariablesPayload, VariableSpec, VariablesStore, normalize_variables
+
+__all__ = [
+    "CoordinatorCollector",
+    "CoordinatorContext",
+    "CoordinatorSpec",
+    "Emissions",
+    "EpochCounts",
+    "EpochStateMachine",
+    "IterationCoordinator",
+    "OutputRecord",
+    "Progress",
+    "Release",
+    "RemoteFailure",
+    "Reply",
+    "ResultData",
+    "StateMachineError",
+    "TerminationReason",
+    "VariableSpec",
+    "VariablesMismatchError",
+    "VariablesPayload",
+    "VariablesStore",
+    "normalize_variables",
+]

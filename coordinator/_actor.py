@@ -1,0 +1,420 @@
+"""The coordinator actor: a thin asyncio shell around ``EpochStateMachine``.
+
+Written as a plain class; ``hybrid_iter`` wraps it with ``ray.remote(num_cpus=0)`` where
+it launches it. It runs the user's ``CoordinatorOperator`` (and the body's coordinator-
+tier listeners such as termination criteria) in the actor's event loop, so user code is
+never run concurrently with itself. The only Ray API it touches is ``ray.put`` for large
+variable versions, passed in as a function so the class works without Ray in tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import RemoteFailure
+from ._protocol import Emissions, OutputRecord, Progress, Reply, ResultData
+from ._state import EpochStateMachine, StateMachineError
+from ._variables import DEFAULT_INLINE_LIMIT, VariablesPayload, VariablesStore
+
+__all__ = ["CoordinatorCollector", "CoordinatorContext", "CoordinatorSpec", "IterationCoordinator"]
+
+COORDINATOR = "coordinator"
+
+
+@dataclass(frozen=True)
+class CoordinatorSpec:
+    """Everything the actor needs; plain, picklable data plus the user's operators."""
+
+    num_subtasks: int
+    num_streams: int
+    staleness: int | None
+    max_epochs: int | None
+    has_criteria: bool
+    init_variables: Mapping[str, Any]
+    #: cloudpickle of ``(coordinator_operator_or_None, [listeners])``, loaded in the actor
+    operators: bytes = b""
+    inline_limit: int = DEFAULT_INLINE_LIMIT
+    progress_tag: str = "loss"
+
+
+class CoordinatorContext:
+    """What coordinator-tier code can see. Runs in the Ray coordinator actor.
+
+    ``epoch`` is the epoch of the record or watermark being handled; ``source_partition``
+    is the sending partition inside ``process_feedback`` (``None`` elsewhere);
+    ``variables`` is the newest published version.
+    """
+
+    def __init__(self, coordinator: IterationCoordinator) -> None:
+        self._c = coordinator
+        self.epoch = 0
+        self.source_partition: int | None = None
+
+    @property
+    def num_partitions(self) -> int:
+        return self._c.spec.num_subtasks
+
+    @property
+    def staleness(self) -> int | None:
+        return self._c.spec.staleness
+
+    @property
+    def is_sync(self) -> bool:
+        return self._c.spec.staleness == 0
+
+    @property
+    def variables(self) -> Mapping[str, Any]:
+        return self._c.store.values
+
+    @property
+    def variables_version(self) -> int:
+        return self._c.store.version
+
+    @property
+    def global_epoch_watermark(self) -> int:
+        """The coordinator tier's epoch watermark (-1 before epoch 0 completes)."""
+        return self._c.sm.aligned - 1
+
+
+class CoordinatorCollector:
+    """``out`` of coordinator-tier callbacks. Runs in the Ray coordinator actor."""
+
+    def __init__(self, coordinator: IterationCoordinator, *, from_listener: bool = False) -> None:
+        self._c = coordinator
+        self._from_listener = from_listener
+
+    def publish_variables(self, **variables: Any) -> None:
+        """Publish new values of some variables: the next epoch's broadcast to partitions."""
+        self._c.store.publish(variables)
+        self._c.sm.record_coordinator(self._c.ctx.epoch, published=1)
+
+    def output(self, tag: str, value: Any) -> None:
+        """Emit a record to the iteration's outputs under ``tag``."""
+        if not isinstance(tag, str) or not tag:
+            raise TypeError(f"output tag must be a non-empty string, got {tag!r}")
+        self._c.route_output(tag, self._c.ctx.epoch, COORDINATOR, value, self._from_listener)
+
+    def criteria(self, value: Any = 1) -> None:
+        """Emit a termination-criteria record: the iteration continues this epoch."""
+        if not self._c.spec.has_criteria:
+            raise RuntimeError(
+                "out.criteria() was called but the IterationBody has no criteria stream; "
+                "pass IterationBody(..., criteria=True) or a criteria helper such as "
+                "TerminateOnMaxIter(n)"
+            )
+        self._c.sm.record_coordinator(self._c.ctx.epoch, criteria=1)
+
+
+class IterationCoordinator:
+    """One iteration's coordinator. All public methods are called through Ray."""
+
+    def __init__(self, spec: CoordinatorSpec, put: Callable[[Any], Any] | None = None) -> None:
+        if put is None:
+            try:
+                import ray
+
+                put = ray.put if ray.is_initialized() else None
+            except ImportError:  # pragma: no cover - ray is a dependency
+                put = None
+        self.spec = spec
+        self.sm = EpochStateMachine(
+            spec.num_subtasks,
+            staleness=spec.staleness,
+            max_epochs=spec.max_epochs,
+            has_criteria=spec.has_criteria,
+        )
+        self.store = VariablesStore(spec.init_variables, put=put, inline_limit=spec.inline_limit)
+        self.ctx = CoordinatorContext(self)
+        self._out = CoordinatorCollector(self)
+        self._listener_out = CoordinatorCollector(self, from_listener=True)
+        self._waiters: dict[int, tuple[int, int, asyncio.Future[Reply]]] = {}
+        self._buffered: dict[int, dict[int, Emissions]] = {}
+        self._outputs: list[OutputRecord] = []
+        self._alignment_times: list[float] = []
+        self._feedback_counts = [0] * spec.num_subtasks
+        self._rows = [0] * spec.num_streams
+        self._failures: list[RemoteFailure] = []
+        self._progress_waiters: list[asyncio.Future[None]] = []
+        self._last_loss: Any = None
+        self._closed = False
+        self._op: Any = None
+        self._listeners: Sequence[Any] = ()
+        try:
+            if spec.operators:
+                import cloudpickle
+
+                self._op, self._listeners = cloudpickle.loads(spec.operators)
+        except Exception as ex:
+            self._record_failure(
+                RemoteFailure.capture(
+                    ex,
+                    source=COORDINATOR,
+                    epoch=None,
+                    where="loading the coordinator operator in the Ray actor (is its module "
+                    "importable there? see hybrid_iter docs on shipping code)",
+                )
+            )
+        if self._op is not None and hasattr(self._op, "open"):
+            try:
+                self._user_call("open", self._op.open, self.store.values, self.ctx)
+            except _UserCodeFailed:
+                pass  # recorded: every call from now on answers with the failure
+
+    # -- calls from Spark tasks ---------------------------------------------------------
+
+    async def variables(self, known_version: int = -1) -> VariablesPayload | None:
+        """The newest variables if newer than ``known_version``."""
+        return self._payload_for(known_version)
+
+    async def report(
+        self,
+        pid: int,
+        epoch: int,
+        known_version: int,
+        emissions: Emissions,
+        rows: Sequence[int] | None = None,
+    ) -> Reply:
+        """Subtask ``pid``'s call ``epoch``; returns when it may run that epoch (or stop)."""
+        if self._failures:
+            return self._error_reply(epoch)
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._waiters[pid] = (epoch, known_version, future)
+        try:
+            self.sm.report(
+                pid, epoch, feedback=len(emissions.feedback), criteria=emissions.criteria
+            )
+            if rows is not None:
+                for i, n in enumerate(rows):
+                    self._rows[i] += n
+            if self.sm.terminated is not None:
+                # The loop is closed: feedback is no longer applied; outputs are kept.
+                for tag, value in emissions.outputs:
+                    self.route_output(tag, max(epoch - 1, 0), pid, value, False)
+            elif self.spec.staleness == 0:
+                # Sync: apply in partition order at alignment, so results are deterministic.
+                self._buffered.setdefault(epoch, {})[pid] = emissions
+            else:
+                self._apply_partition_emissions(pid, max(epoch - 1, 0), emissions)
+            self._advance()
+        except _UserCodeFailed:
+            pass
+        except StateMachineError as ex:  # a protocol bug: fail loudly, never hang
+            self._record_failure(
+                RemoteFailure.capture(ex, source=COORDINATOR, epoch=epoch, where="protocol")
+            )
+        self._release()
+        return await future
+
+    async def finish(self, pid: int, emissions: Emissions) -> None:
+        """Subtask ``pid`` ran ``on_iteration_terminated``; ``emissions`` are its last."""
+        if self._failures:
+            return
+        try:
+            last = self.sm.epochs_completed - 1
+            for tag, value in emissions.outputs:
+                self.route_output(tag, max(last, 0), pid, value, False)
+            if self.sm.finish(pid):
+                self._terminate_coordinator_tier()
+        except _UserCodeFailed:
+            pass
+        except StateMachineError as ex:
+            self._record_failure(
+                RemoteFailure.capture(ex, source=COORDINATOR, epoch=None, where="protocol")
+            )
+        self._notify_progress()
+
+    async def fail(self, failure: RemoteFailure) -> None:
+        """A subtask failed: stop everyone waiting, keep the failure for the driver."""
+        self._record_failure(failure)
+
+    # -- calls from the driver ----------------------------------------------------------
+
+    async def wait_progress(self, after_aligned: int, timeout: float) -> Progress:
+        """Return once alignment passes ``after_aligned``, the end, or ``timeout``."""
+        if self.sm.aligned <= after_aligned and not self._is_done():
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._progress_waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, timeout)
+            except asyncio.TimeoutError:
+                pass
+        return self.progress()
+
+    def progress(self) -> Progress:
+        t = self._alignment_times
+        return Progress(
+            aligned=self.sm.aligned,
+            epochs=self.sm.epochs_completed,
+            last_epoch_seconds=(t[-1] - t[-2]) if len(t) >= 2 else None,
+            loss=self._last_loss,
+            terminated_by=str(self.sm.terminated) if self.sm.terminated else None,
+            done=self._is_done(),
+            failed=bool(self._failures),
+        )
+
+    def result(self) -> ResultData:
+        return ResultData(
+            variables=dict(self.store.values),
+            outputs=list(self._outputs),
+            epochs=self.sm.epochs_completed,
+            terminated_by=str(self.sm.terminated) if self.sm.terminated else None,
+            alignment_times=list(self._alignment_times),
+            subtask_epochs={p: c + 1 for p, c in enumerate(self.sm.last_call)},
+            feedback_counts=dict(enumerate(self._feedback_counts)),
+            rows=list(self._rows),
+            publishes=self.store.publishes,
+            failures=list(self._failures),
+        )
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _is_done(self) -> bool:
+        return self._closed or bool(self._failures)
+
+    def _advance(self) -> None:
+        while (k := self.sm.next_alignment()) is not None:
+            for pid, em in sorted(self._buffered.pop(k, {}).items()):
+                self._apply_partition_emissions(pid, max(k - 1, 0), em)
+            if k >= 1:
+                self._coordinator_watermark(k - 1)
+            if k == 0:
+                empty = [i for i, n in enumerate(self._rows) if n == 0]
+                if empty:
+                    self._record_failure(
+                        RemoteFailure(
+                            "data",
+                            0,
+                            "initial input",
+                            "EmptyDataError",
+                            f"data stream(s) {empty} had no rows in any partition; an "
+                            f"iteration needs data: check the DataFrame's filters or source",
+                            "",
+                        )
+                    )
+                    return
+            self._alignment_times.append(time.time())
+            self.sm.complete_alignment(k)
+            self._notify_progress()
+
+    def _apply_partition_emissions(self, pid: int, epoch: int, em: Emissions) -> None:
+        self._feedback_counts[pid] += len(em.feedback)
+        if self._op is not None and em.feedback:
+            self.ctx.epoch = epoch
+            self.ctx.source_partition = pid
+            try:
+                for value in em.feedback:
+                    self._user_call(
+                        "process_feedback", self._op.process_feedback, value, self.ctx, self._out
+                    )
+            finally:
+                self.ctx.source_partition = None
+        for tag, value in em.outputs:
+            self.route_output(tag, epoch, pid, value, False)
+
+    def _coordinator_watermark(self, epoch: int) -> None:
+        self.ctx.epoch = epoch
+        if self._op is not None and hasattr(self._op, "on_epoch_watermark_incremented"):
+            self._user_call(
+                "on_epoch_watermark_incremented",
+                self._op.on_epoch_watermark_incremented,
+                epoch,
+                self.ctx,
+                self._out,
+            )
+        for listener in self._listeners:
+            self._user_call(
+                f"{type(listener).__name__}.on_epoch_watermark_incremented",
+                listener.on_epoch_watermark_incremented,
+                epoch,
+                self.ctx,
+                self._listener_out,
+            )
+
+    def _terminate_coordinator_tier(self) -> None:
+        self.ctx.epoch = max(self.sm.epochs_completed - 1, 0)
+        if self._op is not None and hasattr(self._op, "on_iteration_terminated"):
+            self._user_call(
+                "on_iteration_terminated", self._op.on_iteration_terminated, self.ctx, self._out
+            )
+        for listener in self._listeners:
+            self._user_call(
+                f"{type(listener).__name__}.on_iteration_terminated",
+                listener.on_iteration_terminated,
+                self.ctx,
+                self._listener_out,
+            )
+        self._closed = True
+
+    def route_output(
+        self, tag: str, epoch: int, source: int | str, value: Any, from_listener: bool
+    ) -> None:
+        if not from_listener:
+            prev = self.ctx.epoch
+            self.ctx.epoch = epoch
+            try:
+                for listener in self._listeners:
+                    consumed = self._user_call(
+                        f"{type(listener).__name__}.process_output",
+                        listener.process_output,
+                        tag,
+                        value,
+                        self.ctx,
+                        self._listener_out,
+                    )
+                    if consumed:
+                        return
+            finally:
+                self.ctx.epoch = prev
+        if tag == self.spec.progress_tag:
+            self._last_loss = value
+        self._outputs.append(OutputRecord(tag, epoch, source, value))
+
+    def _user_call(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as ex:
+            name = type(self._op).__name__ if self._op is not None else "coordinator"
+            label = where if "." in where else f"{name}.{where}"
+            self._record_failure(
+                RemoteFailure.capture(ex, source=COORDINATOR, epoch=self.ctx.epoch, where=label)
+            )
+            raise _UserCodeFailed from ex
+
+    def _record_failure(self, failure: RemoteFailure) -> None:
+        self._failures.append(failure)
+        self.sm.fail()
+        for epoch, _, future in self._waiters.values():
+            if not future.done():
+                future.set_result(self._error_reply(epoch))
+        self._waiters.clear()
+        self._notify_progress()
+
+    def _error_reply(self, epoch: int) -> Reply:
+        return Reply(epoch, True, self.sm.aligned, None, self._failures[0])
+
+    def _payload_for(self, known_version: int) -> VariablesPayload | None:
+        return self.store.payload() if self.store.version > known_version else None
+
+    def _release(self) -> None:
+        if self._failures:
+            return
+        for r in self.sm.releasable():
+            _, known_version, future = self._waiters.pop(r.pid)
+            if not future.done():
+                future.set_result(
+                    Reply(r.epoch, r.terminated, self.sm.aligned, self._payload_for(known_version))
+                )
+
+    def _notify_progress(self) -> None:
+        waiters, self._progress_waiters = self._progress_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+
+class _UserCodeFailed(Exception):
+    """Internal: user code raised; the failure is already recorded."""

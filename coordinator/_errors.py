@@ -1,0 +1,77 @@
+"""Errors raised on the Ray side, picklable so they cross process boundaries.
+
+The public exception tree lives in ``hybrid_iter._errors``; the classes here are the
+coordinator tier's own and are re-exported there.
+"""
+
+from __future__ import annotations
+
+__all__ = ["RemoteFailure", "VariablesMismatchError"]
+
+
+class VariablesMismatchError(ValueError):
+    """``publish_variables`` named a variable that does not exist or gave a wrong shape."""
+
+
+class RemoteFailure(Exception):
+    """A failure of user code in a Spark task or in the coordinator actor.
+
+    Carries where it happened (``source`` is a partition id or ``"coordinator"``), the
+    epoch, the operator method, the original exception type name and message, and the
+    formatted traceback of the original process. The original exception object is kept
+    when it pickles (``cause``), so ``isinstance`` checks on it still work.
+    """
+
+    def __init__(
+        self,
+        source: int | str,
+        epoch: int | None,
+        where: str,
+        type_name: str,
+        message: str,
+        traceback_text: str,
+        cause: BaseException | None = None,
+    ) -> None:
+        self.source = source
+        self.epoch = epoch
+        self.where = where
+        self.type_name = type_name
+        self.message = message
+        self.traceback_text = traceback_text
+        self.cause = cause
+        super().__init__(self._summary())
+
+    def _summary(self) -> str:
+        who = f"partition {self.source}" if isinstance(self.source, int) else str(self.source)
+        at = f" at epoch {self.epoch}" if self.epoch is not None else ""
+        return f"{who}{at} in {self.where}: {self.type_name}: {self.message}"
+
+    def __reduce__(self):  # keep every field through pickling
+        return (
+            RemoteFailure,
+            (
+                self.source,
+                self.epoch,
+                self.where,
+                self.type_name,
+                self.message,
+                self.traceback_text,
+                self.cause,
+            ),
+        )
+
+    @classmethod
+    def capture(
+        cls, exc: BaseException, *, source: int | str, epoch: int | None, where: str
+    ) -> RemoteFailure:
+        """Wrap ``exc`` (being handled now) with its traceback text."""
+        import pickle
+        import traceback
+
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        cause: BaseException | None = exc
+        try:
+            pickle.loads(pickle.dumps(exc))
+        except Exception:
+            cause = None
+        return cls(source, epoch, where, type(exc).__name__, str(exc), text, cause)

@@ -1,0 +1,71 @@
+"""Plain records exchanged between Spark tasks and the coordinator actor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._errors import RemoteFailure
+from ._variables import VariablesPayload
+
+__all__ = ["Emissions", "OutputRecord", "Progress", "Reply", "ResultData"]
+
+
+@dataclass(slots=True)
+class Emissions:
+    """What a subtask emitted since its previous call, in emission order per kind."""
+
+    feedback: list[Any] = field(default_factory=list)
+    outputs: list[tuple[str, Any]] = field(default_factory=list)
+    criteria: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.feedback or self.outputs or self.criteria)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputRecord:
+    """One ``out.output(tag, value)`` record: its epoch and who emitted it."""
+
+    tag: str
+    epoch: int
+    source: int | str
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The coordinator's answer to call ``epoch`` of a subtask."""
+
+    epoch: int
+    terminated: bool
+    aligned: int
+    variables: VariablesPayload | None = None
+    error: RemoteFailure | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A snapshot for the driver's progress display."""
+
+    aligned: int
+    epochs: int
+    last_epoch_seconds: float | None
+    loss: Any
+    terminated_by: str | None
+    done: bool
+    failed: bool
+
+
+@dataclass(frozen=True)
+class ResultData:
+    variables: dict[str, Any]
+    outputs: list[OutputRecord]
+    epochs: int
+    terminated_by: str | None
+    alignment_times: list[float]
+    subtask_epochs: dict[int, int]
+    feedback_counts: dict[int, int]
+    rows: list[int]
+    publishes: int
+    failures: list[RemoteFailure]

@@ -1,0 +1,219 @@
+"""The epoch-watermark and termination state machine: pure logic, no Ray, no I/O.
+
+Events in, decisions out. The Ray actor (``_actor.py``) is a thin shell that feeds it
+the subtasks' calls and runs the user's coordinator operator where it says so.
+
+Vocabulary (DESIGN.md section 3, as implemented here):
+
+* A subtask's **call k** (k = 0, 1, 2, ...) says "my epoch-k input is consumed; may I run
+  my ``on_epoch_watermark_incremented(k)``?". Call 0 follows the initial input (initial
+  variables and every data batch); call k >= 1 follows the subtask's watermark callback
+  of epoch k - 1. A call carries what the subtask emitted since its previous call; those
+  are records of epoch ``max(k - 1, 0)``.
+* **Global alignment k** happens when every subtask has made call k. Before deciding on
+  alignment k >= 1 the coordinator tier runs its own ``on_epoch_watermark_incremented(k-1)``
+  (it is downstream of the partition tier, as the parameters vertex is in Flink ML).
+* **Termination** is decided at alignment k >= 1 from the records of epoch k - 1 (the
+  records that circulate into epoch k): a criteria stream that emitted nothing, nothing
+  fed back or published, or ``k >= max_epochs``. Alignment 0 never terminates.
+* **Release** of a pending call k (the subtask may run epoch k): always after
+  termination (it is told to stop); otherwise never for ``k >= max_epochs``; in sync
+  mode (staleness 0) once alignment k is done; with staleness s once alignment k - s is
+  done; in async mode (staleness ``None``) at once.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["EpochCounts", "EpochStateMachine", "Release", "StateMachineError", "TerminationReason"]
+
+
+class TerminationReason(str, enum.Enum):
+    """Why an iteration ended (``IterationResult.terminated_by``)."""
+
+    CRITERIA = "criteria"
+    NO_FEEDBACK = "no_feedback"
+    MAX_EPOCHS = "max_epochs"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class StateMachineError(RuntimeError):
+    """An event that the protocol does not allow (a bug in the shell, not user input)."""
+
+
+@dataclass
+class EpochCounts:
+    """Records of one epoch that can circulate into the next one."""
+
+    feedback: int = 0
+    published: int = 0
+    criteria: int = 0
+
+
+@dataclass(frozen=True)
+class Release:
+    """Decision: answer subtask ``pid``'s pending call ``epoch``."""
+
+    pid: int
+    epoch: int
+    terminated: bool
+
+
+class EpochStateMachine:
+    """Tracks every subtask's progress, the global alignment and termination."""
+
+    def __init__(
+        self,
+        num_subtasks: int,
+        *,
+        staleness: int | None,
+        max_epochs: int | None,
+        has_criteria: bool,
+    ) -> None:
+        if num_subtasks < 1:
+            raise ValueError(f"num_subtasks must be >= 1, got {num_subtasks}")
+        if staleness is not None and staleness < 0:
+            raise ValueError(f"staleness must be None or >= 0, got {staleness}")
+        if max_epochs is not None and max_epochs < 1:
+            raise ValueError(f"max_epochs must be None or >= 1, got {max_epochs}")
+        self.num_subtasks = num_subtasks
+        self.staleness = staleness
+        self.max_epochs = max_epochs
+        self.has_criteria = has_criteria
+        self.last_call = [-1] * num_subtasks
+        self.aligned = -1
+        self.pending: dict[int, int] = {}
+        self.counts: dict[int, EpochCounts] = {}
+        self.terminated: TerminationReason | None = None
+        self.finished: set[int] = set()
+        self.failed = False
+
+    # -- events -------------------------------------------------------------------------
+
+    def report(self, pid: int, epoch: int, *, feedback: int = 0, criteria: int = 0) -> None:
+        """Subtask ``pid`` made call ``epoch`` carrying these record counts."""
+        self._check_pid(pid)
+        if pid in self.finished:
+            raise StateMachineError(f"subtask {pid} reported epoch {epoch} after finishing")
+        if pid in self.pending:
+            raise StateMachineError(
+                f"subtask {pid} made call {epoch} while call {self.pending[pid]} is pending"
+            )
+        expected = self.last_call[pid] + 1
+        if epoch != expected:
+            raise StateMachineError(f"subtask {pid} made call {epoch}, expected call {expected}")
+        self.last_call[pid] = epoch
+        c = self._counts(max(epoch - 1, 0))
+        c.feedback += feedback
+        c.criteria += criteria
+        self.pending[pid] = epoch
+
+    def record_coordinator(self, epoch: int, *, published: int = 0, criteria: int = 0) -> None:
+        """The coordinator tier emitted records of ``epoch``."""
+        if epoch < 0:
+            raise StateMachineError(f"coordinator records need an epoch >= 0, got {epoch}")
+        c = self._counts(epoch)
+        c.published += published
+        c.criteria += criteria
+
+    def next_alignment(self) -> int | None:
+        """The alignment that is ready to be completed, if any."""
+        if self.terminated is not None or self.failed:
+            return None
+        k = self.aligned + 1
+        return k if min(self.last_call) >= k else None
+
+    def complete_alignment(self, k: int) -> TerminationReason | None:
+        """Complete alignment ``k`` (after the coordinator ran its callback of ``k - 1``)."""
+        if k != self.next_alignment():
+            raise StateMachineError(f"alignment {k} is not ready (aligned={self.aligned})")
+        self.aligned = k
+        if k == 0:
+            return None
+        c = self.counts.get(k - 1, EpochCounts())
+        reason: TerminationReason | None = None
+        if self.has_criteria and c.criteria == 0:
+            reason = TerminationReason.CRITERIA
+        elif c.feedback == 0 and c.published == 0:
+            reason = TerminationReason.NO_FEEDBACK
+        elif self.max_epochs is not None and k >= self.max_epochs:
+            reason = TerminationReason.MAX_EPOCHS
+        self.terminated = reason
+        # Counts of epochs that can no longer matter are dropped (bounded memory).
+        for e in [e for e in self.counts if e < k - 1]:
+            del self.counts[e]
+        return reason
+
+    def releasable(self) -> list[Release]:
+        """Pending calls that may be answered now (removed from ``pending``)."""
+        out: list[Release] = []
+        for pid, epoch in sorted(self.pending.items()):
+            if self.terminated is not None:
+                out.append(Release(pid, epoch, True))
+            elif self._may_start(epoch):
+                out.append(Release(pid, epoch, False))
+        for r in out:
+            del self.pending[r.pid]
+        return out
+
+    def finish(self, pid: int) -> bool:
+        """Subtask ``pid`` ran ``on_iteration_terminated``; True once all have."""
+        self._check_pid(pid)
+        if self.terminated is None:
+            raise StateMachineError(f"subtask {pid} finished before the iteration terminated")
+        if pid in self.finished:
+            raise StateMachineError(f"subtask {pid} finished twice")
+        self.finished.add(pid)
+        return self.all_finished
+
+    def fail(self) -> None:
+        self.failed = True
+
+    # -- queries ------------------------------------------------------------------------
+
+    @property
+    def all_finished(self) -> bool:
+        return len(self.finished) == self.num_subtasks
+
+    @property
+    def epochs_completed(self) -> int:
+        """Epochs whose watermark every tier has seen: alignment k completes epoch k - 1."""
+        return max(self.aligned, 0)
+
+    @property
+    def slowest(self) -> int:
+        """The lowest call any subtask has made (its current epoch)."""
+        return min(self.last_call)
+
+    def validate(self) -> None:
+        """Invariants that must hold between events (used by tests)."""
+        assert self.aligned <= min(self.last_call), (self.aligned, self.last_call)
+        for pid, epoch in self.pending.items():
+            assert self.last_call[pid] == epoch
+        if self.terminated is None and not self.failed:
+            assert self.next_alignment() is None, "an alignment was left incomplete"
+            for epoch in self.pending.values():
+                assert not self._may_start(epoch), "a releasable call was left pending"
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _may_start(self, epoch: int) -> bool:
+        if self.max_epochs is not None and epoch >= self.max_epochs:
+            return False
+        if self.staleness is None:
+            return True
+        return epoch <= self.aligned + self.staleness
+
+    def _counts(self, epoch: int) -> EpochCounts:
+        c = self.counts.get(epoch)
+        if c is None:
+            c = self.counts[epoch] = EpochCounts()
+        return c
+
+    def _check_pid(self, pid: int) -> None:
+        if not 0 <= pid < self.num_subtasks:
+            raise StateMachineError(f"subtask id {pid} out of range [0, {self.num_subtasks})")

@@ -1,0 +1,79 @@
+"""hybrid_iter: iterative dataflow (the Flink ML iteration model) on Spark + Ray.
+
+Spark is the data plane (one barrier stage; each task reads its data once), a Ray actor
+is the coordinator and parameter server. See DESIGN.md.
+
+    import hybrid_iter as hi
+
+    with hi.Session.local(parallelism=2) as session:
+        result = hi.iterate_bounded_streams_until_termination(
+            init_variables={"w": np.zeros(d)},
+            data_streams=hi.ReplayableDataStreamList.not_replay(df),
+            config=hi.IterationConfig(staleness=0, max_epochs=100),
+            body=hi.IterationBody(partition=MyTrain(), coordinator=MyParams()),
+        )
+"""
+
+from coordinator import CoordinatorCollector, CoordinatorContext, OutputRecord, TerminationReason
+from spark_ops import NumpyCache
+
+from ._body import (
+    CoordinatorListener,
+    ForwardInputsOfLastRound,
+    IterationBody,
+    TerminateOnMaxIter,
+    TerminateOnMaxIterOrTol,
+    TerminationCriteria,
+)
+from ._config import IterationConfig, OperatorLifecycle
+from ._errors import (
+    DataValidationError,
+    HybridIterError,
+    IterationConfigError,
+    IterationFailedError,
+    RemoteFailure,
+    SessionError,
+    VariablesMismatchError,
+)
+from ._iterate import iterate_bounded_streams_until_termination
+from ._operators import CoordinatorOperator, IterationListener, PartitionOperator
+from ._result import IterationResult
+from ._session import Session
+from ._streams import DataStream, ReplayableDataStreamList
+from ._task import PartitionCollector, PartitionContext
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CoordinatorCollector",
+    "CoordinatorContext",
+    "CoordinatorListener",
+    "CoordinatorOperator",
+    "DataStream",
+    "DataValidationError",
+    "ForwardInputsOfLastRound",
+    "HybridIterError",
+    "IterationBody",
+    "IterationConfig",
+    "IterationConfigError",
+    "IterationFailedError",
+    "IterationListener",
+    "IterationResult",
+    "NumpyCache",
+    "OperatorLifecycle",
+    "OutputRecord",
+    "PartitionCollector",
+    "PartitionContext",
+    "PartitionOperator",
+    "RemoteFailure",
+    "ReplayableDataStreamList",
+    "Session",
+    "SessionError",
+    "TerminateOnMaxIter",
+    "TerminateOnMaxIterOrTol",
+    "TerminationCriteria",
+    "TerminationReason",
+    "VariablesMismatchError",
+    "__version__",
+    "iterate_bounded_streams_until_termination",
+]

@@ -1,0 +1,173 @@
+"""The iteration body and the coordinator-tier helpers of FLIP-176.
+
+``TerminateOnMaxIter``, ``TerminateOnMaxIterOrTol`` and ``ForwardInputsOfLastRound``
+run in the Ray coordinator actor, after the user's coordinator operator, and see every
+output record of both tiers (``process_output``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._errors import IterationConfigError
+from ._operators import CoordinatorOperator, IterationListener, PartitionOperator
+
+__all__ = [
+    "CoordinatorListener",
+    "ForwardInputsOfLastRound",
+    "IterationBody",
+    "TerminateOnMaxIter",
+    "TerminateOnMaxIterOrTol",
+    "TerminationCriteria",
+]
+
+
+class CoordinatorListener(IterationListener):
+    """A helper in the coordinator tier that sees output records. Runs in the Ray actor."""
+
+    def process_output(self, tag: str, value: Any, ctx: Any, out: Any) -> bool:
+        """Called for each ``out.output(tag, value)`` of either tier (``ctx.epoch`` is the
+        record's epoch). Return True to consume the record (it then does not reach
+        ``IterationResult.outputs``)."""
+        return False
+
+
+class TerminationCriteria(CoordinatorListener):
+    """A termination-criteria stream: the iteration ends after an epoch in which no
+    criteria record was emitted. Subclass it and call ``out.criteria()`` to continue."""
+
+
+def _positive_int(name: str, v: object) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise IterationConfigError(f"{name} must be an int >= 1, got {v!r}")
+    return v
+
+
+class TerminateOnMaxIter(TerminationCriteria):
+    """Continue while ``epoch + 1 < max_iter``: the iteration runs ``max_iter`` epochs."""
+
+    def __init__(self, max_iter: int) -> None:
+        self.max_iter = _positive_int("TerminateOnMaxIter(max_iter)", max_iter)
+
+    def on_epoch_watermark_incremented(self, epoch: int, ctx: Any, out: Any) -> None:
+        if epoch + 1 < self.max_iter:
+            out.criteria()
+
+
+class TerminateOnMaxIterOrTol(TerminationCriteria):
+    """Continue while ``epoch + 1 < max_iter`` and the newest ``loss_tag`` output is
+    above ``tol`` (the loss is taken as +inf until one is emitted)."""
+
+    def __init__(self, max_iter: int, tol: float, *, loss_tag: str = "loss") -> None:
+        self.max_iter = _positive_int("TerminateOnMaxIterOrTol(max_iter)", max_iter)
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or math.isnan(tol):
+            raise IterationConfigError(
+                f"TerminateOnMaxIterOrTol(tol) must be a number, got {tol!r}"
+            )
+        self.tol = float(tol)
+        self.loss_tag = loss_tag
+        self.loss = math.inf
+
+    def process_output(self, tag: str, value: Any, ctx: Any, out: Any) -> bool:
+        if tag == self.loss_tag:
+            self.loss = float(value)
+        return False
+
+    def on_epoch_watermark_incremented(self, epoch: int, ctx: Any, out: Any) -> None:
+        if epoch + 1 < self.max_iter and self.loss > self.tol:
+            out.criteria()
+
+
+class ForwardInputsOfLastRound(CoordinatorListener):
+    """Hold back the outputs tagged ``tag`` and emit, at termination, only those of the
+    last epoch that had any (e.g. the final model instead of one per epoch)."""
+
+    def __init__(self, tag: str) -> None:
+        if not isinstance(tag, str) or not tag:
+            raise IterationConfigError("ForwardInputsOfLastRound(tag) must be a non-empty string")
+        self.tag = tag
+        self._epoch = -1
+        self._values: list[Any] = []
+
+    def process_output(self, tag: str, value: Any, ctx: Any, out: Any) -> bool:
+        if tag != self.tag:
+            return False
+        if ctx.epoch > self._epoch:
+            self._epoch, self._values = ctx.epoch, []
+        if ctx.epoch == self._epoch:
+            self._values.append(value)
+        return True
+
+    def on_iteration_terminated(self, ctx: Any, out: Any) -> None:
+        for v in self._values:
+            out.output(self.tag, v)
+
+
+@dataclass(frozen=True)
+class IterationBody:
+    """A partition operator, a coordinator operator and coordinator-tier helpers.
+
+    * ``partition``: a ``PartitionOperator`` instance; every subtask gets a copy.
+    * ``coordinator``: a ``CoordinatorOperator`` instance (or ``None``: no parameter
+      server, partitions only exchange outputs).
+    * ``criteria``: a ``TerminationCriteria`` helper (e.g. ``TerminateOnMaxIter(10)``),
+      or ``True`` when the operators themselves emit ``out.criteria()``; ``None`` means
+      the body has no criteria stream.
+    * ``listeners``: more coordinator-tier helpers, e.g. ``ForwardInputsOfLastRound``.
+    """
+
+    partition: PartitionOperator
+    coordinator: CoordinatorOperator | None = None
+    criteria: TerminationCriteria | bool | None = None
+    listeners: Sequence[CoordinatorListener] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.partition, type):
+            raise IterationConfigError(
+                f"IterationBody(partition=...) needs an instance, got the class "
+                f"{self.partition.__name__}; write partition={self.partition.__name__}()"
+            )
+        if not isinstance(self.partition, PartitionOperator):
+            raise IterationConfigError(
+                f"IterationBody(partition=...) must be a hybrid_iter.PartitionOperator, "
+                f"got {type(self.partition).__name__}"
+            )
+        if isinstance(self.coordinator, type):
+            raise IterationConfigError(
+                f"IterationBody(coordinator=...) needs an instance, got the class "
+                f"{self.coordinator.__name__}; write coordinator={self.coordinator.__name__}()"
+            )
+        if self.coordinator is not None and not isinstance(self.coordinator, CoordinatorOperator):
+            raise IterationConfigError(
+                f"IterationBody(coordinator=...) must be a hybrid_iter.CoordinatorOperator or "
+                f"None, got {type(self.coordinator).__name__}"
+            )
+        if not (
+            self.criteria is None
+            or isinstance(self.criteria, bool)
+            or isinstance(self.criteria, TerminationCriteria)
+        ):
+            raise IterationConfigError(
+                f"IterationBody(criteria=...) must be a TerminationCriteria (e.g. "
+                f"TerminateOnMaxIter(10)), True, or None, got {type(self.criteria).__name__}"
+            )
+        listeners = tuple(self.listeners)
+        for i, listener in enumerate(listeners):
+            if not isinstance(listener, CoordinatorListener):
+                raise IterationConfigError(
+                    f"IterationBody(listeners[{i}]) must be a CoordinatorListener, "
+                    f"got {type(listener).__name__}"
+                )
+        object.__setattr__(self, "listeners", listeners)
+
+    @property
+    def has_criteria(self) -> bool:
+        return self.criteria is not None and self.criteria is not False
+
+    @property
+    def coordinator_listeners(self) -> tuple[CoordinatorListener, ...]:
+        first = (self.criteria,) if isinstance(self.criteria, CoordinatorListener) else ()
+        return (*first, *self.listeners)

@@ -1,0 +1,185 @@
+"""The pure epoch/termination state machine, stepped one event at a time (no Ray)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator import EpochStateMachine, Release, StateMachineError, TerminationReason
+
+
+def sm(n=2, staleness=0, max_epochs=None, has_criteria=False):
+    return EpochStateMachine(
+        n, staleness=staleness, max_epochs=max_epochs, has_criteria=has_criteria
+    )
+
+
+def align_all(m: EpochStateMachine, published_per_epoch: int = 1) -> list[int]:
+    """Complete every ready alignment the way the actor does; returns them."""
+    done = []
+    while (k := m.next_alignment()) is not None:
+        if k >= 1:
+            m.record_coordinator(k - 1, published=published_per_epoch)
+        m.complete_alignment(k)
+        done.append(k)
+    return done
+
+
+def test_sync_lock_step_releases_only_at_alignment():
+    m = sm(2)
+    m.report(0, 0)
+    assert align_all(m) == []
+    assert m.releasable() == []  # subtask 1 has not consumed its input yet
+    m.report(1, 0)
+    assert align_all(m) == [0]
+    assert m.releasable() == [Release(0, 0, False), Release(1, 0, False)]
+    m.report(0, 1, feedback=1)
+    assert align_all(m) == [] and m.releasable() == []
+    m.report(1, 1, feedback=1)
+    assert align_all(m) == [1]
+    assert m.releasable() == [Release(0, 1, False), Release(1, 1, False)]
+    m.validate()
+
+
+def test_epoch_zero_never_terminates_even_with_nothing_circulating():
+    m = sm(1)
+    m.report(0, 0)
+    assert align_all(m, published_per_epoch=0) == [0]
+    assert m.terminated is None
+    assert m.releasable() == [Release(0, 0, False)]
+
+
+def test_terminates_when_nothing_circulated_into_the_epoch():
+    m = sm(2)
+    for p in (0, 1):
+        m.report(p, 0)
+    align_all(m)
+    m.releasable()
+    for p in (0, 1):
+        m.report(p, 1)  # no feedback from anybody
+    m.next_alignment()
+    assert m.complete_alignment(1) is TerminationReason.NO_FEEDBACK  # and no publish
+    assert m.releasable() == [Release(0, 1, True), Release(1, 1, True)]
+    assert m.epochs_completed == 1
+
+
+def test_a_coordinator_publish_alone_keeps_it_running():
+    m = sm(1)
+    m.report(0, 0)
+    align_all(m)
+    m.releasable()
+    m.report(0, 1)  # no partition feedback
+    m.record_coordinator(0, published=1)
+    assert m.complete_alignment(1) is None
+
+
+def test_criteria_stream_that_emitted_nothing_terminates():
+    m = sm(1, has_criteria=True)
+    m.report(0, 0)
+    align_all(m)
+    m.releasable()
+    m.report(0, 1, feedback=1, criteria=1)
+    assert m.complete_alignment(1) is None
+    m.releasable()
+    m.report(0, 2, feedback=1)
+    assert m.complete_alignment(2) is TerminationReason.CRITERIA
+
+
+def test_criteria_from_coordinator_counts():
+    m = sm(1, has_criteria=True)
+    m.report(0, 0)
+    align_all(m)
+    m.releasable()
+    m.report(0, 1, feedback=1)
+    m.record_coordinator(0, criteria=1)
+    assert m.complete_alignment(1) is None
+
+
+def test_max_epochs_holds_calls_and_terminates():
+    m = sm(2, staleness=None, max_epochs=2)
+    m.report(0, 0)
+    assert m.releasable() == [Release(0, 0, False)]  # async: no waiting
+    m.report(0, 1, feedback=1)
+    assert m.releasable() == [Release(0, 1, False)]
+    m.report(0, 2, feedback=1)
+    assert m.releasable() == []  # epoch 2 >= max_epochs: held
+    for e in (0, 1, 2):
+        m.report(1, e, feedback=int(e > 0))
+        align_all(m)
+        released = m.releasable()
+    assert m.terminated is TerminationReason.MAX_EPOCHS
+    assert set(released) == {Release(0, 2, True), Release(1, 2, True)}
+    assert m.epochs_completed == 2
+
+
+def test_protocol_violations_are_errors():
+    m = sm(2)
+    with pytest.raises(StateMachineError):
+        m.report(0, 1)  # skipped call 0
+    m.report(0, 0)
+    with pytest.raises(StateMachineError):
+        m.report(0, 1)  # call 0 still pending
+    with pytest.raises(StateMachineError):
+        m.report(2, 0)
+    with pytest.raises(StateMachineError):
+        m.finish(0)  # not terminated
+    with pytest.raises(StateMachineError):
+        m.complete_alignment(0)  # not ready
+
+
+def test_finish_after_termination():
+    m = sm(1, max_epochs=1)
+    m.report(0, 0)
+    align_all(m)
+    m.releasable()
+    m.report(0, 1, feedback=1)
+    align_all(m)
+    assert m.releasable() == [Release(0, 1, True)]
+    assert m.finish(0) is True
+    with pytest.raises(StateMachineError):
+        m.finish(0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 4),
+    staleness=st.one_of(st.none(), st.integers(0, 3)),
+    max_epochs=st.integers(1, 8),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_random_schedules_keep_the_staleness_bound(n, staleness, max_epochs, seed):
+    """Under any arrival order: no subtask starts an epoch more than `staleness` ahead of
+    the slowest subtask's current epoch, none starts epoch >= max_epochs, and the run
+    ends by max_epochs with every subtask told to stop."""
+    rng = random.Random(seed)
+    m = sm(n, staleness=staleness, max_epochs=max_epochs)
+    running: dict[int, int] = {}  # pid -> epoch it may run
+    next_call = dict.fromkeys(range(n), 0)
+    stopped: set[int] = set()
+    steps = 0
+    while len(stopped) < n:
+        steps += 1
+        assert steps < 10_000
+        # a subtask that is not waiting makes its next call
+        idle = [p for p in range(n) if p not in stopped and p not in m.pending]
+        if not idle:
+            pytest.fail(f"deadlock: every live subtask is waiting: {m.pending}")
+        p = rng.choice(idle)
+        m.report(p, next_call[p], feedback=1)
+        next_call[p] += 1
+        align_all(m)
+        for r in m.releasable():
+            if r.terminated:
+                stopped.add(r.pid)
+                continue
+            slowest = min(m.last_call)
+            assert r.epoch < max_epochs
+            if staleness is not None:
+                assert r.epoch - slowest <= staleness, (r, m.last_call)
+            running[r.pid] = r.epoch
+        m.validate()
+    assert m.terminated is TerminationReason.MAX_EPOCHS
+    assert m.epochs_completed == max_epochs
