@@ -267,6 +267,7 @@ class IterationCoordinator:
             feedback_counts=dict(enumerate(self._feedback_counts)),
             rows=list(self._rows),
             publishes=self.store.publishes,
+            object_store_puts=self.store.puts,
             failures=list(self._failures),
         )
 

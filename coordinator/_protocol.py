@@ -68,4 +68,5 @@ class ResultData:
     feedback_counts: dict[int, int]
     rows: list[int]
     publishes: int
+    object_store_puts: int
     failures: list[RemoteFailure]

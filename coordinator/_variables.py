@@ -86,6 +86,8 @@ class VariablesStore:
         self._inline_limit = inline_limit
         self._payload: VariablesPayload | None = None
         self.publishes = 0
+        #: versions that went through the object store (at most one put per version)
+        self.puts = 0
 
     @property
     def values(self) -> Mapping[str, np.ndarray]:
@@ -131,6 +133,7 @@ class VariablesStore:
             size = sum(a.nbytes for a in self._values.values())
             if self._put is not None and size > self._inline_limit:
                 self._payload = VariablesPayload(self.version, None, self._put(dict(self._values)))
+                self.puts += 1
             else:
                 self._payload = VariablesPayload(self.version, dict(self._values), None)
         return self._payload

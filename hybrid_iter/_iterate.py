@@ -237,7 +237,11 @@ def iterate_bounded_streams_until_termination(
         mode=config.mode,
         seconds=time.perf_counter() - started,
         load_seconds=(times[0] - started_wall) if times else 0.0,
-        extra={"repartitioned": stage.repartitioned, "publishes": data.publishes},
+        extra={
+            "repartitioned": stage.repartitioned,
+            "publishes": data.publishes,
+            "object_store_puts": data.object_store_puts,
+        },
     )
 
 

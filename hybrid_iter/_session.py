@@ -141,9 +141,13 @@ class Session:
                 log_to_driver=True,
             )
         address = ray.get_runtime_context().gcs_address
-        spark = SparkSession.getActiveSession()
-        owns_spark = spark is None
-        if owns_spark:
+        from pyspark import SparkContext
+
+        owns_spark = SparkContext._active_spark_context is None
+        if not owns_spark:
+            spark = SparkSession.builder.getOrCreate()  # the running one; left running
+            log.info("Session.local uses the running SparkSession (%s)", spark.sparkContext.master)
+        else:
             conf = {
                 "spark.master": f"local[{parallelism}]",
                 "spark.app.name": app_name,

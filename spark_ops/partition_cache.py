@@ -70,7 +70,8 @@ class NumpyCache:
     """Accumulates a stream's batches; ``matrix()`` and ``column()`` give numpy arrays.
 
     ``columns`` picks (in order) the columns stacked by ``matrix()``; array columns
-    expand to their length. Values are validated batch by batch, so a bad row fails the
+    expand to their length (known from the first batch: a cache that saw no batch, as
+    in an empty partition, has zero rows and one column per name). Values are validated batch by batch, so a bad row fails the
     task while loading, before any epoch runs.
     """
 

@@ -1,0 +1,85 @@
+"""Sessions stop what they started and nothing else; data reaches subtasks as planned."""
+
+from __future__ import annotations
+
+import numpy as np
+from conftest import SLOTS
+from ops import GradientDescent, LinRegPartition
+
+import hybrid_iter as hi
+
+
+def small_fit(df, **config):
+    return hi.iterate_bounded_streams_until_termination(
+        {"w": np.zeros(1)},
+        hi.ReplayableDataStreamList.not_replay(df),
+        hi.IterationConfig(max_epochs=3, **config),
+        hi.IterationBody(LinRegPartition(["x0"]), GradientDescent(lr=0.1, total_rows=40)),
+    )
+
+
+def frame(spark, partitions):
+    return spark.range(40, numPartitions=partitions).selectExpr(
+        "cast(id as double) / 40 as x0", "cast(id as double) / 20 as y"
+    )
+
+
+def test_attach_and_a_nested_local_session_leave_spark_and_ray_running(session):
+    import ray
+
+    with hi.Session.attach(session.spark) as attached:
+        assert attached.ray_address == session.ray_address
+        assert small_fit(frame(attached.spark, 2)).epochs == 3
+    with hi.Session.local(2) as nested:  # Spark and Ray already run: it owns neither
+        assert nested.spark.sparkContext is session.spark.sparkContext
+    assert ray.is_initialized()
+    assert session.spark.range(3).count() == 3
+    assert hi.Session.current() is session
+
+
+def test_default_parallelism_is_every_task_slot(spark):
+    result = small_fit(frame(spark, SLOTS))
+    assert result.num_partitions == SLOTS and result.extra["repartitioned"] is False
+    result = small_fit(frame(spark, 1))  # fewer partitions than slots: spread over all
+    assert result.num_partitions == SLOTS and result.extra["repartitioned"] is True
+    assert sum(result.rows) == 40
+
+
+class ReadOnly(hi.PartitionOperator):
+    def process_variables(self, variables, ctx, out):
+        w = variables["w"]
+        out.output(
+            "seen", (ctx.partition_id, ctx.variables_version, w.flags.writeable, float(w[0]))
+        )
+
+    def on_epoch_watermark_incremented(self, epoch, ctx, out):
+        out.feedback(1.0)
+
+
+class AddOne(hi.CoordinatorOperator):
+    def open(self, init_variables, ctx):
+        self.w = np.array(init_variables["w"])
+
+    def on_epoch_watermark_incremented(self, epoch, ctx, out):
+        self.w += 1.0  # in place: what was published must not change
+        out.publish_variables(w=self.w)
+
+
+def test_large_variables_go_through_the_object_store_once_per_version(spark):
+    big = np.zeros(200_000)  # 1.6 MB: above the inline limit
+    result = hi.iterate_bounded_streams_until_termination(
+        {"w": big},
+        hi.ReplayableDataStreamList.not_replay(spark.range(8, numPartitions=2)),
+        hi.IterationConfig(max_epochs=4, parallelism=2),
+        hi.IterationBody(ReadOnly(), AddOne()),
+    )
+    seen = result.outputs["seen"]
+    # each subtask read versions 0..4, read-only views of the object store
+    for pid in (0, 1):
+        mine = [s for s in seen if s[0] == pid]
+        assert [s[1] for s in mine] == [0, 1, 2, 3, 4]
+        assert [s[3] for s in mine] == [0.0, 1.0, 2.0, 3.0, 4.0]
+        assert not any(s[2] for s in mine)
+    # one put per version, shared by both subtasks (not one per subtask)
+    assert result.extra["object_store_puts"] == 5
+    assert float(result.variables["w"][0]) == 4.0

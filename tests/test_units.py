@@ -1,0 +1,141 @@
+"""Pure pieces without Spark or Ray: variables store, numpy cache, progress line."""
+
+from __future__ import annotations
+
+import io
+import itertools
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hybrid_iter as hi
+from coordinator import Progress, VariablesMismatchError, VariablesStore
+from hybrid_iter._progress import ProgressPrinter
+
+# -- variables store ------------------------------------------------------------------------
+
+
+def test_small_versions_travel_inline_and_large_ones_are_put_once():
+    puts = []
+    store = VariablesStore(
+        {"w": np.zeros(10), "big": np.zeros(10_000)},
+        put=lambda v: puts.append(v) or f"ref{len(puts)}",
+        inline_limit=1_000,
+    )
+    a = store.payload()
+    assert a is store.payload()  # built once per version
+    assert a.inline is None and a.ref == "ref1" and store.puts == 1
+    store.publish({"w": np.ones(10)})
+    b = store.payload()
+    store.payload()
+    assert (b.version, b.ref, store.puts) == (1, "ref2", 2)
+    small = VariablesStore({"w": np.zeros(3)}, put=lambda v: pytest.fail("put"), inline_limit=1_000)
+    assert small.payload().inline["w"].shape == (3,)
+
+
+def test_published_versions_are_immutable_snapshots():
+    store = VariablesStore({"w": np.zeros(3)})
+    w = np.ones(3)
+    store.publish({"w": w})
+    w[:] = 7  # the operator keeps updating its own array in place
+    snap = store.payload().inline["w"]
+    np.testing.assert_array_equal(snap, np.ones(3))
+    assert not snap.flags.writeable
+
+
+def test_publish_validation():
+    store = VariablesStore({"w": np.zeros(3), "n": 0})
+    with pytest.raises(VariablesMismatchError, match=r"unknown variable 'x'.*\['n', 'w'\]"):
+        store.publish({"x": 1.0})
+    with pytest.raises(VariablesMismatchError, match=r"shape \(2,\).*shape \(3,\)"):
+        store.publish({"w": np.zeros(2)})
+    with pytest.raises(VariablesMismatchError, match="does not cast safely"):
+        store.publish({"n": 1.5})  # float into an int variable
+    with pytest.raises(VariablesMismatchError, match="at least one"):
+        store.publish({})
+    store.publish({"w": [1, 2, 3]})  # ints cast into float64
+    assert store.values["w"].dtype == np.float64 and store.version == 1
+
+
+# -- numpy cache ----------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 300),
+    cuts=st.lists(st.integers(0, 300), max_size=6),
+    seed=st.integers(0, 1000),
+)
+def test_numpy_cache_is_independent_of_batching(rows, cuts, seed):
+    rng = np.random.default_rng(seed)
+    a, b, y = rng.standard_normal(rows), rng.integers(0, 9, rows), rng.random(rows)
+    vec = rng.standard_normal((rows, 2))
+    table = pa.table(
+        {"a": a, "b": b, "v": pa.array(list(vec), type=pa.list_(pa.float64(), 2)), "y": y}
+    )
+    bounds = sorted({0, rows, *[c for c in cuts if c <= rows]})
+    cache = hi.NumpyCache(["a", "v", "b"], extra=["y"])
+    for lo, hi_ in itertools.pairwise(bounds):
+        for batch in table.slice(lo, hi_ - lo).to_batches():
+            cache.add(batch)
+    m = cache.matrix()
+    assert m.shape == (rows, 4) and m.flags.f_contiguous
+    np.testing.assert_array_equal(m, np.column_stack([a, vec, b]).reshape(rows, 4))
+    np.testing.assert_array_equal(cache.column("y"), y)
+
+
+def test_an_empty_cache_has_zero_rows_of_its_scalar_columns():
+    cache = hi.NumpyCache(["a", "b"], extra=["y"])  # an empty partition: no batch at all
+    assert cache.matrix().shape == (0, 2) and cache.column("y").shape == (0,)
+
+
+def test_numpy_cache_errors_name_the_column():
+    batch = pa.RecordBatch.from_pydict({"x": [1.0, None], "s": ["a", "b"]})
+    with pytest.raises(ValueError, match="'x' has 1 null"):
+        hi.NumpyCache(["x"]).add(batch)
+    with pytest.raises(TypeError, match="'s' has type string"):
+        hi.NumpyCache(["s"]).add(batch)
+    with pytest.raises(KeyError, match="'nope' is not in the data"):
+        hi.NumpyCache(["nope"]).add(batch)
+
+
+# -- progress line --------------------------------------------------------------------------
+
+
+def test_progress_line_off_a_terminal_prints_epoch_loss_and_speed():
+    out = io.StringIO()
+    p = ProgressPrinter(True, label="sync", stream=out)
+    p.update(
+        Progress(
+            aligned=3,
+            epochs=2,
+            last_epoch_seconds=0.0123,
+            loss=0.5,
+            terminated_by=None,
+            done=False,
+            failed=False,
+        )
+    )
+    p.update(
+        Progress(
+            aligned=4,
+            epochs=3,
+            last_epoch_seconds=0.01,
+            loss=0.25,
+            terminated_by="criteria",
+            done=True,
+            failed=False,
+        ),
+        final=True,
+    )
+    lines = out.getvalue().splitlines()
+    assert "epoch     2" in lines[0] and "0.5" in lines[0] and "12.3 ms/epoch" in lines[0]
+    assert lines[-1].endswith("done: criteria") and "0.25" in lines[-1]
+    quiet = io.StringIO()
+    ProgressPrinter(None, label="x", stream=quiet).update(
+        Progress(1, 1, None, None, None, False, False)
+    )
+    assert quiet.getvalue() == ""  # None: only on a terminal
