@@ -133,6 +133,7 @@ class IterationCoordinator:
         self._listener_out = CoordinatorCollector(self, from_listener=True)
         self._waiters: dict[int, tuple[int, int, asyncio.Future[Reply]]] = {}
         self._buffered: dict[int, dict[int, Emissions]] = {}
+        self._final: dict[int, Emissions] = {}
         self._outputs: list[OutputRecord] = []
         self._alignment_times: list[float] = []
         self._feedback_counts = [0] * spec.num_subtasks
@@ -181,12 +182,18 @@ class IterationCoordinator:
         """Subtask ``pid``'s call ``epoch``; returns when it may run that epoch (or stop)."""
         if self._failures:
             return self._error_reply(epoch)
-        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        self._waiters[pid] = (epoch, known_version, future)
-        try:
+        try:  # validate the call before anything waits on it
             self.sm.report(
                 pid, epoch, feedback=len(emissions.feedback), criteria=emissions.criteria
             )
+        except StateMachineError as ex:  # a protocol bug: fail loudly, never hang
+            self._record_failure(
+                RemoteFailure.capture(ex, source=COORDINATOR, epoch=epoch, where="protocol")
+            )
+            return self._error_reply(epoch)
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._waiters[pid] = (epoch, known_version, future)
+        try:
             if rows is not None:
                 for i, n in enumerate(rows):
                     self._rows[i] += n
@@ -202,10 +209,6 @@ class IterationCoordinator:
             self._advance()
         except _UserCodeFailed:
             pass
-        except StateMachineError as ex:  # a protocol bug: fail loudly, never hang
-            self._record_failure(
-                RemoteFailure.capture(ex, source=COORDINATOR, epoch=epoch, where="protocol")
-            )
         self._release()
         return await future
 
@@ -214,10 +217,14 @@ class IterationCoordinator:
         if self._failures:
             return
         try:
-            last = self.sm.epochs_completed - 1
-            for tag, value in emissions.outputs:
-                self.route_output(tag, max(last, 0), pid, value, False)
+            self._final[pid] = emissions
             if self.sm.finish(pid):
+                # the partitions' last outputs, in partition order (deterministic)
+                last = max(self.sm.epochs_completed - 1, 0)
+                for p in sorted(self._final):
+                    for tag, value in self._final[p].outputs:
+                        self.route_output(tag, last, p, value, False)
+                self._final.clear()
                 self._terminate_coordinator_tier()
         except _UserCodeFailed:
             pass
@@ -241,7 +248,8 @@ class IterationCoordinator:
             try:
                 await asyncio.wait_for(fut, timeout)
             except asyncio.TimeoutError:
-                pass
+                if fut in self._progress_waiters:
+                    self._progress_waiters.remove(fut)
         return self.progress()
 
     def progress(self) -> Progress:
@@ -263,7 +271,7 @@ class IterationCoordinator:
             epochs=self.sm.epochs_completed,
             terminated_by=str(self.sm.terminated) if self.sm.terminated else None,
             alignment_times=list(self._alignment_times),
-            subtask_epochs={p: c + 1 for p, c in enumerate(self.sm.last_call)},
+            subtask_epochs={p: max(c, 0) for p, c in enumerate(self.sm.last_call)},
             feedback_counts=dict(enumerate(self._feedback_counts)),
             rows=list(self._rows),
             publishes=self.store.publishes,

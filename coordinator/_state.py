@@ -17,8 +17,9 @@ Vocabulary (DESIGN.md section 3, as implemented here):
   records that circulate into epoch k): a criteria stream that emitted nothing, nothing
   fed back or published, or ``k >= max_epochs``. Alignment 0 never terminates.
 * **Release** of a pending call k (the subtask may run epoch k): always after
-  termination (it is told to stop); otherwise never for ``k >= max_epochs``; in sync
-  mode (staleness 0) once alignment k is done; with staleness s once alignment k - s is
+  termination (it is told to stop); otherwise never for ``k >= max_epochs``; call 0
+  at alignment 0 in every mode (all data loaded and checked); then in sync mode
+  (staleness 0) once alignment k is done; with staleness s once alignment k - s is
   done; in async mode (staleness ``None``) at once.
 """
 
@@ -204,6 +205,10 @@ class EpochStateMachine:
     def _may_start(self, epoch: int) -> bool:
         if self.max_epochs is not None and epoch >= self.max_epochs:
             return False
+        if epoch == 0:
+            # In every mode epoch 0 starts at alignment 0, once all data is loaded and
+            # checked (an empty stream must fail before any callback runs on it).
+            return self.aligned >= 0
         if self.staleness is None:
             return True
         return epoch <= self.aligned + self.staleness

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from coordinator import CoordinatorSpec, IterationCoordinator, RemoteFailure, normalize_variables
-from spark_ops import BarrierStage, available_task_slots
+from spark_ops import BarrierStage, available_task_slots, num_partitions
 
 from ._body import IterationBody
 from ._config import IterationConfig, OperatorLifecycle
@@ -87,6 +87,10 @@ def _validate(
         raise IterationConfigError(str(ex)) from ex
     for i, stream in enumerate(data_streams.streams):
         stream.validate(i)
+        if num_partitions(stream.df) == 0:
+            raise DataValidationError(
+                f"data stream {i} has no partitions, so no rows; an iteration needs data"
+            )
     if config.operator_lifecycle is OperatorLifecycle.PER_ROUND:
         not_replayed = [i for i, r in enumerate(data_streams.replayed) if not r]
         if not_replayed:
@@ -169,7 +173,11 @@ def iterate_bounded_streams_until_termination(
         inline_limit=config.inline_variables_bytes,
         progress_tag=config.progress_tag,
     )
-    actor_cls = ray.remote(num_cpus=0, max_restarts=0)(IterationCoordinator)
+    # Every subtask waits in one call at a time, plus the driver's progress poll: an
+    # async actor answering more calls than max_concurrency at once would deadlock.
+    actor_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=max(1000, n + 16))(
+        IterationCoordinator
+    )
     actor = actor_cls.options(name=name, namespace=NAMESPACE).remote(spec)
     plan = TaskPlan(
         ray_address=address,
@@ -206,7 +214,8 @@ def iterate_bounded_streams_until_termination(
                 sc.cancelJobGroup(name)  # tasks stuck in user code must not hang us
             if p.done:
                 thread.join()
-        thread.join()
+        if thread.ident is not None:
+            thread.join()
         data = ray.get(actor.result.remote())
         printer.update(ray.get(actor.progress.remote()), final=True)
     except BaseException:
@@ -215,13 +224,29 @@ def iterate_bounded_streams_until_termination(
             thread.join(timeout=30)
         raise
     finally:
-        ray.kill(actor)
+        try:
+            ray.kill(actor)
+        except Exception as ex:  # never hide the error being raised
+            log.warning("could not kill the coordinator actor %s: %s", name, ex)
     if data.failures:
         _raise_failures(data.failures, outcome.get("error"))
     if "error" in outcome:
         raise IterationFailedError(
             f"the Spark stage of the iteration failed: {outcome['error']}", {}
         ) from outcome["error"]
+    ran = len(outcome.get("results", []))
+    if ran == 0 and data.terminated_by is None:
+        # Spark planned no task at all: its optimizer found every input empty
+        raise DataValidationError(
+            "the data streams have no rows (Spark ran no task over them); an iteration "
+            "needs data: check the DataFrames' filters or sources"
+        )
+    if ran != n or data.terminated_by is None:
+        raise IterationFailedError(
+            f"the iteration's Spark stage ended with {ran} of {n} subtasks and the "
+            f"coordinator {'terminated' if data.terminated_by else 'not terminated'}",
+            {},
+        )
     times = data.alignment_times
     return IterationResult(
         variables=data.variables,

@@ -24,7 +24,7 @@ class IterationResult:
     * ``epochs``: epochs completed by every subtask (the last global alignment).
     * ``terminated_by``: ``"criteria"``, ``"no_feedback"`` or ``"max_epochs"``.
     * ``epoch_seconds``: wall time between consecutive global alignments.
-    * ``subtask_epochs``: epochs each subtask started (async: fast ones start more);
+    * ``subtask_epochs``: epochs each subtask ran (async: fast ones run more);
       ``feedback_counts``: feedback records of each subtask that the coordinator applied
       (async: a record that arrives after termination is not applied).
     """

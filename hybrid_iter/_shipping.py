@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import sysconfig
+import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -58,21 +59,28 @@ def _user_modules(objs: Any) -> set[ModuleType]:
     return found
 
 
+_lock = threading.Lock()
+
+
 def dumps(obj: Any, what: str) -> bytes:
     """cloudpickle ``obj`` (operators), user-local modules by value."""
     import cloudpickle
 
-    modules = _user_modules(obj)
-    for m in modules:
-        cloudpickle.register_pickle_by_value(m)
-    try:
-        return cloudpickle.dumps(obj)
-    except Exception as ex:
-        raise IterationConfigError(
-            f"{what} cannot be pickled to ship it to the cluster: {ex}. Keep only plain "
-            f"data in operators (no SparkSession, locks, open files or sockets); build "
-            f"such things in open()"
-        ) from ex
-    finally:
+    # cloudpickle's by-value registry is process-global: one caller at a time, and only
+    # what this call registered is unregistered (the user's own registrations stay).
+    with _lock:
+        already = cloudpickle.list_registry_pickle_by_value()
+        modules = {m for m in _user_modules(obj) if m.__name__ not in already}
         for m in modules:
-            cloudpickle.unregister_pickle_by_value(m)
+            cloudpickle.register_pickle_by_value(m)
+        try:
+            return cloudpickle.dumps(obj)
+        except Exception as ex:
+            raise IterationConfigError(
+                f"{what} cannot be pickled to ship it to the cluster: {ex}. Keep only "
+                f"plain data in operators (no SparkSession, locks, open files or sockets); "
+                f"build such things in open()"
+            ) from ex
+        finally:
+            for m in modules:
+                cloudpickle.unregister_pickle_by_value(m)

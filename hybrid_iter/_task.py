@@ -8,7 +8,7 @@ alignment with the next variables version.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,63 +144,76 @@ def run_subtask(plan: TaskPlan, pid: int, inputs: Iterator[tuple[int, pa.RecordB
     import cloudpickle
     import ray
 
-    coord = _coordinator(plan)
     ctx = PartitionContext(pid, plan.num_subtasks, plan.staleness)
     out = PartitionCollector(plan.has_criteria)
+    coord: Any = None
     op: Any = None
-    where = "loading the partition operator"
+    # what runs now: a user method (named after the operator) or a framework step
+    where, user = "joining the Ray cluster and the coordinator", False
     rows = [0] * len(plan.numeric_columns)
     k = 0
+    aborted = False
+
+    def ask(call: Any) -> Any:
+        nonlocal where, user
+        where, user = "waiting for the coordinator", False
+        return ray.get(call)
+
     try:
+        coord = _coordinator(plan)
+        where = "loading the partition operator"
         op = cloudpickle.loads(plan.operator)
-        where = "open"
+        where, user = "open", True
         op.open(ctx)
-        payload = ray.get(coord.variables.remote(-1))
-        variables: Mapping[str, Any] = _resolve(payload)
+        payload = ask(coord.variables.remote(-1))
         ctx.variables_version = payload.version
-        where = "process_variables"
-        op.process_variables(variables, ctx, out)
-        where = "process_data"
+        where, user = "process_variables", True
+        op.process_variables(_resolve(payload), ctx, out)
+        where, user = "reading the data", False
         for stream, batch in inputs:
             _check_batch(plan, stream, batch, pid)
             rows[stream] += batch.num_rows
+            where, user = "process_data", True
             op.process_data(stream, batch, ctx, out)
+            where, user = "reading the data", False
         while True:
-            reply = ray.get(
-                coord.report.remote(
-                    pid, k, ctx.variables_version, out.drain(), rows if k == 0 else None
-                )
+            em = out.drain()
+            reply = ask(
+                coord.report.remote(pid, k, ctx.variables_version, em, rows if k == 0 else None)
             )
             if reply.error is not None:
                 raise _Aborted(f"subtask {pid} stopped because {reply.error}")
             ctx.global_epoch_watermark = reply.aligned
             if reply.variables is not None:
                 ctx.variables_version = reply.variables.version
-                where = "process_variables"
+                where, user = "process_variables", True
                 op.process_variables(_resolve(reply.variables), ctx, out)
             if reply.terminated:
                 break
             ctx.epoch = k
-            where = "on_epoch_watermark_incremented"
+            where, user = "on_epoch_watermark_incremented", True
             op.on_epoch_watermark_incremented(k, ctx, out)
             k += 1
-        where = "on_iteration_terminated"
+        where, user = "on_iteration_terminated", True
         op.on_iteration_terminated(ctx, out)
-        ray.get(coord.finish.remote(pid, out.drain()))
+        ask(coord.finish.remote(pid, out.drain()))
     except _Aborted:
-        raise
+        # Another participant failed and the coordinator holds its error for the driver;
+        # this subtask ends quietly instead of adding a second, misleading traceback.
+        aborted = True
     except Exception as ex:
-        label = f"{type(op).__name__}.{where}" if op is not None else where
+        label = f"{type(op).__name__}.{where}" if user else where
         failure = RemoteFailure.capture(ex, source=pid, epoch=ctx.epoch, where=label)
-        try:
-            ray.get(coord.fail.remote(failure), timeout=30)
-        except Exception:
-            pass  # the coordinator is gone; Spark's own failure still reaches the driver
+        if coord is not None:
+            try:
+                ray.get(coord.fail.remote(failure), timeout=30)
+            except Exception:
+                pass  # the coordinator is gone; Spark's own failure still reaches the driver
         raise
     finally:
         if op is not None and hasattr(op, "close"):
             try:
                 op.close()
             except Exception:
-                pass
-    return pickle.dumps({"partition_id": pid, "epochs": k, "rows": rows})
+                pass  # close() must not hide the iteration's own outcome
+    return pickle.dumps({"partition_id": pid, "epochs": k, "rows": rows, "aborted": aborted})

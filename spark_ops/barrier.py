@@ -6,20 +6,19 @@ a plain function ``task(partition_id, inputs) -> bytes`` where ``inputs`` yields
 subtask, each read once.
 
 * One stream: ``mapInArrow(..., barrier=True)`` straight over the DataFrame (after a
-  ``repartition`` if its partition count is not the subtask count: Spark refuses a
-  barrier stage over ``coalesce``).
+  ``repartition`` if its partition count is not the subtask count, or if Spark refuses
+  its RDD chain in a barrier stage, as it does for ``coalesce`` and ``union``).
 * Several streams (co-partitioned per subtask): partition ``j`` of every stream goes to
   subtask ``j % n``. Each stream's batches are framed as Arrow IPC in a ``mapInArrow``,
-  shuffled with an exact partitioner and sorted by (subtask, stream, source partition,
-  batch), then a barrier ``mapPartitions`` decodes them, so a subtask sees its batches
-  in a deterministic order.
+  keyed by the stream's own partition index, shuffled with an exact partitioner and
+  sorted by (subtask, stream, source partition, batch), then a barrier
+  ``mapPartitions`` decodes them, so a subtask sees its batches in a fixed order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from functools import reduce
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -31,7 +30,7 @@ __all__ = ["BarrierStage", "available_task_slots", "num_partitions"]
 TaskFn = Callable[[int, Iterator[tuple[int, pa.RecordBatch]]], bytes]
 
 _RESULT_SCHEMA = "result binary"
-_FRAMED_SCHEMA = "target int, stream int, source int, seq int, payload binary"
+_FRAMED_SCHEMA = "payload binary"
 
 
 def available_task_slots(spark: SparkSession) -> int:
@@ -61,29 +60,27 @@ def _single_stream_fn(
     return run
 
 
-def _frame_fn(
-    stream: int, n: int
-) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    def frame(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        from pyspark import TaskContext
+def _frame_fn(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Each Arrow batch as one row holding its IPC stream bytes."""
+    for b in batches:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, b.schema) as writer:
+            writer.write_batch(b)
+        yield pa.RecordBatch.from_pydict({"payload": pa.array([sink.getvalue().to_pybytes()], pa.binary())})
 
-        ctx = TaskContext.get()
-        source = ctx.partitionId() if ctx is not None else 0
-        for seq, b in enumerate(batches):
-            sink = pa.BufferOutputStream()
-            with pa.ipc.new_stream(sink, b.schema) as writer:
-                writer.write_batch(b)
-            yield pa.RecordBatch.from_pydict(
-                {
-                    "target": pa.array([source % n], pa.int32()),
-                    "stream": pa.array([stream], pa.int32()),
-                    "source": pa.array([source], pa.int32()),
-                    "seq": pa.array([seq], pa.int32()),
-                    "payload": pa.array([sink.getvalue().to_pybytes()], pa.binary()),
-                }
-            )
 
-    return frame
+def _key_fn(stream: int, n: int) -> Callable[[int, Iterator[Any]], Iterator[tuple]]:
+    """Key the framed rows of one stream by (subtask, stream, source partition, batch).
+
+    The index comes from ``mapPartitionsWithIndex`` of this stream's own RDD: inside a
+    union, ``TaskContext.partitionId()`` would count the other streams' partitions too.
+    """
+
+    def key(source: int, rows: Iterator[Any]) -> Iterator[tuple]:
+        for seq, row in enumerate(rows):
+            yield (source % n, stream, source, seq), row[0]
+
+    return key
 
 
 def _target(key: tuple[int, int, int, int]) -> int:
@@ -119,21 +116,35 @@ class BarrierStage:
         self.repartitioned = False
 
     def run(self) -> list[bytes]:
-        n = self.num_subtasks
         if len(self.streams) == 1:
-            df = self.streams[0]
-            if num_partitions(df) != n:
-                df = df.repartition(n)
-                self.repartitioned = True
-            rows = df.mapInArrow(
-                _single_stream_fn(self.task), _RESULT_SCHEMA, barrier=True
-            ).collect()
-            return [r[0] for r in rows]
-        framed = [
-            df.mapInArrow(_frame_fn(i, n), _FRAMED_SCHEMA) for i, df in enumerate(self.streams)
+            return self._run_single()
+        return self._run_multi()
+
+    def _run_single(self) -> list[bytes]:
+        n = self.num_subtasks
+        df = self.streams[0]
+        if num_partitions(df) != n:
+            df = df.repartition(n)
+            self.repartitioned = True
+        fn = _single_stream_fn(self.task)
+        try:
+            rows = df.mapInArrow(fn, _RESULT_SCHEMA, barrier=True).collect()
+        except Exception as ex:
+            # A DataFrame ending in coalesce() or union() has the right partition count but
+            # an RDD chain Spark refuses in a barrier stage (raised before any task runs).
+            if self.repartitioned or "BarrierJobUnsupportedRDDChainException" not in str(ex):
+                raise
+            self.repartitioned = True
+            rows = df.repartition(n).mapInArrow(fn, _RESULT_SCHEMA, barrier=True).collect()
+        return [r[0] for r in rows]
+
+    def _run_multi(self) -> list[bytes]:
+        n = self.num_subtasks
+        keyed = [
+            df.mapInArrow(_frame_fn, _FRAMED_SCHEMA).rdd.mapPartitionsWithIndex(_key_fn(i, n))
+            for i, df in enumerate(self.streams)
         ]
-        union = reduce(lambda a, b: a.unionAll(b), framed)
-        keyed = union.rdd.map(lambda r: ((r[0], r[1], r[2], r[3]), r[4]))
-        shuffled = keyed.repartitionAndSortWithinPartitions(n, partitionFunc=_target)
+        union = self.streams[0].sparkSession.sparkContext.union(keyed)
+        shuffled = union.repartitionAndSortWithinPartitions(n, partitionFunc=_target)
         self.repartitioned = True
         return list(shuffled.barrier().mapPartitions(_multi_stream_fn(self.task)).collect())

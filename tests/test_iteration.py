@@ -68,7 +68,7 @@ def test_both_tiers_see_watermarks_0_1_2_and_terminate_once(spark):
     # the coordinator's watermark e comes after every feedback of epoch e
     assert [fe for k, _, fe in coord if k == "watermark"] == [[0], [1], [2], [3]]
     assert [k for k, _, _ in coord].count("terminated") == 1
-    assert result.subtask_epochs == {0: 5, 1: 5}
+    assert result.subtask_epochs == {0: 4, 1: 4}
 
 
 def test_epoch_zero_never_terminates(spark):
@@ -215,7 +215,7 @@ def test_empty_partitions_take_part(spark):
     assert result.num_partitions == 3
     assert sorted(result.rows) == [50]
     np.testing.assert_allclose(result.variables["w"], w, atol=1e-12)
-    assert result.subtask_epochs == {0: 16, 1: 16, 2: 16}
+    assert result.subtask_epochs == {0: 15, 1: 15, 2: 15}
 
 
 def test_forward_inputs_of_last_round_and_outputs_of_both_tiers(spark, regression):
@@ -288,28 +288,48 @@ class MeanStep(hi.CoordinatorOperator):
         out.publish_variables(mean=self.mean, scale=np.full(3, epoch + 1.0))
 
 
-def test_two_streams_are_co_partitioned_and_two_variables_update(spark):
+@pytest.mark.parametrize("source_partitions, subtasks", [(3, 3), (3, 2), (4, 3)])
+def test_two_streams_are_co_partitioned_and_two_variables_update(
+    spark, source_partitions, subtasks
+):
     n = 60
-    points = spark.createDataFrame(
-        [(i, float(i % 7)) for i in range(n)], "id long, x double"
-    ).repartition(3, "id")
-    weights = spark.createDataFrame(
-        [(i, 1.0 + i % 3) for i in range(n)], "id long, weight double"
-    ).repartition(3, "id")
+    points = spark.createDataFrame([(i, float(i % 7)) for i in range(n)], "id long, x double")
+    weights = spark.createDataFrame([(i, 1.0 + i % 3) for i in range(n)], "id long, weight double")
     # co-partitioned inputs: the same ids live in partition j of both streams
+    points = points.repartition(source_partitions, "id")
+    weights = weights.repartition(source_partitions, "id")
     result = hi.iterate_bounded_streams_until_termination(
         {"mean": 0.0, "scale": np.zeros(3)},
         hi.ReplayableDataStreamList.not_replay(points).and_not_replay(weights),
-        hi.IterationConfig(max_epochs=30, parallelism=3),
+        hi.IterationConfig(max_epochs=30, parallelism=subtasks),
         hi.IterationBody(TwoStreams(), MeanStep()),
     )
     seen = result.outputs["seen"]
-    assert sorted(p for p, _, _ in seen) == [0, 1, 2]
+    assert sorted(p for p, _, _ in seen) == list(range(subtasks))
     for _, ids0, ids1 in seen:
-        assert ids0 == ids1 and ids0  # each subtask got matching partitions of both streams
+        assert ids0 == ids1  # each subtask got matching partitions of both streams
     assert sorted(i for _, ids, _ in seen for i in ids) == list(range(n))
     w = np.array([1.0 + i % 3 for i in range(n)])
     x = np.array([float(i % 7) for i in range(n)])
     assert abs(float(result.variables["mean"]) - (w @ x) / w.sum()) < 1e-6
     np.testing.assert_array_equal(result.variables["scale"], np.full(3, 30.0))
     assert result.rows == [n, n]
+
+
+@pytest.mark.parametrize("shape", ["coalesce", "union"])
+def test_dataframes_spark_refuses_in_a_barrier_stage_still_run(spark, regression, shape):
+    df, X, y = regression  # 3 partitions
+    if shape == "coalesce":
+        df2 = df.repartition(4).coalesce(2)
+    else:
+        half = df.where("id % 2 = 0").coalesce(1)
+        df2 = half.unionByName(df.where("id % 2 = 1").coalesce(1))
+    result = hi.iterate_bounded_streams_until_termination(
+        {"w": np.zeros(4)},
+        hi.ReplayableDataStreamList.not_replay(df2),
+        hi.IterationConfig(max_epochs=5, parallelism=2),
+        hi.IterationBody(LinRegPartition(FEATURES), GradientDescent(lr=0.3, total_rows=len(y))),
+    )
+    w, _, _ = numpy_linreg(X, y, 0.3, 5)
+    np.testing.assert_allclose(result.variables["w"], w, atol=1e-9)
+    assert result.extra["repartitioned"] is True

@@ -79,7 +79,7 @@ def test_sync_lock_step_under_a_straggler(data):
     t = traces(result)
     check_bound(t, [0, 1], 0)
     assert max_lead(t, [0, 1]) == 0
-    assert result.subtask_epochs == {0: 7, 1: 7}
+    assert result.subtask_epochs == {0: 6, 1: 6}
     assert result.feedback_counts == {0: 6, 1: 6}
 
 

@@ -98,16 +98,28 @@ def test_criteria_from_coordinator_counts():
     assert m.complete_alignment(1) is None
 
 
+def test_epoch_zero_starts_at_alignment_zero_in_every_mode():
+    for staleness in (None, 0, 1, 3):
+        m = sm(2, staleness=staleness)
+        m.report(0, 0)
+        assert align_all(m) == [] and m.releasable() == []  # subtask 1 still loading
+        m.report(1, 0)
+        assert align_all(m) == [0]
+        assert m.releasable() == [Release(0, 0, False), Release(1, 0, False)]
+
+
 def test_max_epochs_holds_calls_and_terminates():
     m = sm(2, staleness=None, max_epochs=2)
     m.report(0, 0)
-    assert m.releasable() == [Release(0, 0, False)]  # async: no waiting
+    m.report(1, 0)
+    align_all(m)
+    assert len(m.releasable()) == 2
     m.report(0, 1, feedback=1)
     assert m.releasable() == [Release(0, 1, False)]
     m.report(0, 2, feedback=1)
     assert m.releasable() == []  # epoch 2 >= max_epochs: held
-    for e in (0, 1, 2):
-        m.report(1, e, feedback=int(e > 0))
+    for e in (1, 2):
+        m.report(1, e, feedback=1)
         align_all(m)
         released = m.releasable()
     assert m.terminated is TerminationReason.MAX_EPOCHS

@@ -277,3 +277,59 @@ def test_a_failed_iteration_leaves_the_session_usable(df):
         )
     result = iterate(df, max_epochs=3)
     assert result.epochs == 3
+
+
+# -- regressions found in review --------------------------------------------------------------
+
+
+class OpenFails(RecordingCoordinator):
+    def open(self, init_variables, ctx):
+        raise RuntimeError("no parameters today")
+
+
+class CannotLoad(RecordingCoordinator):
+    def __reduce__(self):
+        return (_refuse, ())
+
+
+def _refuse():
+    raise ImportError("module 'secret_model' is not installed in the actor")
+
+
+@pytest.mark.parametrize(
+    "op, where, words",
+    [
+        (OpenFails(), "OpenFails.open", "no parameters today"),
+        (CannotLoad(), "loading the coordinator operator", "secret_model"),
+    ],
+)
+def test_a_coordinator_that_cannot_start_fails_with_its_cause(df, op, where, words):
+    with pytest.raises(hi.IterationFailedError) as info:
+        iterate(df, init={"version": 0}, body=hi.IterationBody(Recorder(), op))
+    failure = info.value.failures["coordinator"]
+    assert failure.where.startswith(where) and words in str(info.value)
+
+
+@pytest.mark.parametrize("staleness", [0, 1, None])
+def test_empty_data_is_reported_before_any_callback_in_every_mode(spark, staleness):
+    empty = (
+        spark.range(10, numPartitions=2)
+        .where("id < 0")
+        .selectExpr("cast(id as double) as x0", "1.0 as y")
+    )
+    with pytest.raises(hi.DataValidationError, match="no rows"):
+        iterate(empty, parallelism=2, staleness=staleness)
+
+
+def test_empty_data_that_spark_optimizes_away(spark):
+    # repartitioning an empty input lets adaptive execution drop every task
+    empty = (
+        spark.range(10, numPartitions=3)
+        .where("id < 0")
+        .selectExpr("cast(id as double) as x0", "1.0 as y")
+    )
+    with pytest.raises(hi.DataValidationError, match="no rows"):
+        iterate(empty, parallelism=2)
+    none = spark.createDataFrame([], "x0 double, y double")
+    with pytest.raises(hi.DataValidationError, match="no rows"):
+        iterate(none, parallelism=2)
