@@ -4,10 +4,12 @@ stage that feeds each subtask its data once.
 Never imports ray or hybrid_iter.
 """
 
+from .aggregate import AggregateFunction
 from .barrier import BarrierStage, available_task_slots, num_partitions
 from .partition_cache import NumpyCache, column_to_numpy, is_numeric_arrow_type
 
 __all__ = [
+    "AggregateFunction",
     "BarrierStage",
     "NumpyCache",
     "available_task_slots",

@@ -66,7 +66,9 @@ def _frame_fn(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, b.schema) as writer:
             writer.write_batch(b)
-        yield pa.RecordBatch.from_pydict({"payload": pa.array([sink.getvalue().to_pybytes()], pa.binary())})
+        yield pa.RecordBatch.from_pydict(
+            {"payload": pa.array([sink.getvalue().to_pybytes()], pa.binary())}
+        )
 
 
 def _key_fn(stream: int, n: int) -> Callable[[int, Iterator[Any]], Iterator[tuple]]:
