@@ -35,8 +35,11 @@ class CoordinatorSpec:
     max_epochs: int | None
     has_criteria: bool
     init_variables: Mapping[str, Any]
-    #: cloudpickle of ``(coordinator_operator_or_None, [listeners])``, loaded in the actor
+    #: cloudpickle of ``(main_operator_or_None, per_round_operator_or_None, [listeners])``,
+    #: loaded in the actor
     operators: bytes = b""
+    #: the main coordinator operator is created afresh every round (PER_ROUND lifecycle)
+    main_per_round: bool = False
     inline_limit: int = DEFAULT_INLINE_LIMIT
     progress_tag: str = "loss"
 
@@ -142,13 +145,17 @@ class IterationCoordinator:
         self._progress_waiters: list[asyncio.Future[None]] = []
         self._last_loss: Any = None
         self._closed = False
-        self._op: Any = None
+        self._stash: dict[int, bytes] = {}
+        self._main = _Slot(self, None, per_round=spec.main_per_round)
+        self._round = _Slot(self, None, per_round=True)
         self._listeners: Sequence[Any] = ()
         try:
             if spec.operators:
                 import cloudpickle
 
-                self._op, self._listeners = cloudpickle.loads(spec.operators)
+                main, per_round, self._listeners = cloudpickle.loads(spec.operators)
+                self._main = _Slot(self, main, per_round=spec.main_per_round)
+                self._round = _Slot(self, per_round, per_round=True)
         except Exception as ex:
             self._record_failure(
                 RemoteFailure.capture(
@@ -159,11 +166,10 @@ class IterationCoordinator:
                     "importable there? see hybrid_iter docs on shipping code)",
                 )
             )
-        if self._op is not None and hasattr(self._op, "open"):
-            try:
-                self._user_call("open", self._op.open, self.store.values, self.ctx)
-            except _UserCodeFailed:
-                pass  # recorded: every call from now on answers with the failure
+        try:
+            self._main.open_all_round()
+        except _UserCodeFailed:
+            pass  # recorded: every call from now on answers with the failure
 
     # -- calls from Spark tasks ---------------------------------------------------------
 
@@ -184,7 +190,7 @@ class IterationCoordinator:
             return self._error_reply(epoch)
         try:  # validate the call before anything waits on it
             self.sm.report(
-                pid, epoch, feedback=len(emissions.feedback), criteria=emissions.criteria
+                pid, epoch, feedback=emissions.feedback_count, criteria=emissions.criteria
             )
         except StateMachineError as ex:  # a protocol bug: fail loudly, never hang
             self._record_failure(
@@ -237,6 +243,18 @@ class IterationCoordinator:
     async def fail(self, failure: RemoteFailure) -> None:
         """A subtask failed: stop everyone waiting, keep the failure for the driver."""
         self._record_failure(failure)
+
+    async def wake(self) -> None:
+        """Answer the driver's pending progress poll now (its Spark job just ended)."""
+        self._notify_progress()
+
+    async def stash(self, pid: int, state: bytes) -> None:
+        """Keep subtask ``pid``'s all-round operator state between two round jobs."""
+        self._stash[pid] = state
+
+    async def unstash(self, pid: int) -> bytes | None:
+        """The state stashed by the previous round job of subtask ``pid``."""
+        return self._stash.pop(pid, None)
 
     # -- calls from the driver ----------------------------------------------------------
 
@@ -310,52 +328,43 @@ class IterationCoordinator:
             self._notify_progress()
 
     def _apply_partition_emissions(self, pid: int, epoch: int, em: Emissions) -> None:
-        self._feedback_counts[pid] += len(em.feedback)
-        if self._op is not None and em.feedback:
-            self.ctx.epoch = epoch
-            self.ctx.source_partition = pid
-            try:
-                for value in em.feedback:
-                    self._user_call(
-                        "process_feedback", self._op.process_feedback, value, self.ctx, self._out
-                    )
-            finally:
-                self.ctx.source_partition = None
+        self._feedback_counts[pid] += em.feedback_count
+        self.ctx.epoch = epoch
+        self.ctx.source_partition = pid
+        try:
+            # the per-round sub-body's feedback goes to its own coordinator when it has one
+            round_slot = self._round if self._round.template is not None else self._main
+            for slot, values in ((self._main, em.feedback), (round_slot, em.round_feedback)):
+                if values and slot.template is not None:
+                    op = slot.get(epoch)
+                    for value in values:
+                        self._user_call(op, "process_feedback", value, self.ctx, self._out)
+        finally:
+            self.ctx.source_partition = None
         for tag, value in em.outputs:
             self.route_output(tag, epoch, pid, value, False)
 
     def _coordinator_watermark(self, epoch: int) -> None:
         self.ctx.epoch = epoch
-        if self._op is not None and hasattr(self._op, "on_epoch_watermark_incremented"):
-            self._user_call(
-                "on_epoch_watermark_incremented",
-                self._op.on_epoch_watermark_incremented,
-                epoch,
-                self.ctx,
-                self._out,
-            )
+        for slot in (self._main, self._round):
+            if slot.template is not None:
+                op = slot.get(epoch)
+                self._user_call(op, "on_epoch_watermark_incremented", epoch, self.ctx, self._out)
+                slot.end_round()
         for listener in self._listeners:
             self._user_call(
-                f"{type(listener).__name__}.on_epoch_watermark_incremented",
-                listener.on_epoch_watermark_incremented,
-                epoch,
-                self.ctx,
-                self._listener_out,
+                listener, "on_epoch_watermark_incremented", epoch, self.ctx, self._listener_out
             )
 
     def _terminate_coordinator_tier(self) -> None:
         self.ctx.epoch = max(self.sm.epochs_completed - 1, 0)
-        if self._op is not None and hasattr(self._op, "on_iteration_terminated"):
-            self._user_call(
-                "on_iteration_terminated", self._op.on_iteration_terminated, self.ctx, self._out
-            )
+        # only operators still alive hear of it: per-round ones closed with their round
+        op = self._main.alive()
+        if op is not None:
+            self._user_call(op, "on_iteration_terminated", self.ctx, self._out)
+            self._user_call(op, "close")
         for listener in self._listeners:
-            self._user_call(
-                f"{type(listener).__name__}.on_iteration_terminated",
-                listener.on_iteration_terminated,
-                self.ctx,
-                self._listener_out,
-            )
+            self._user_call(listener, "on_iteration_terminated", self.ctx, self._listener_out)
         self._closed = True
 
     def route_output(
@@ -366,15 +375,9 @@ class IterationCoordinator:
             self.ctx.epoch = epoch
             try:
                 for listener in self._listeners:
-                    consumed = self._user_call(
-                        f"{type(listener).__name__}.process_output",
-                        listener.process_output,
-                        tag,
-                        value,
-                        self.ctx,
-                        self._listener_out,
-                    )
-                    if consumed:
+                    if self._user_call(
+                        listener, "process_output", tag, value, self.ctx, self._listener_out
+                    ):
                         return
             finally:
                 self.ctx.epoch = prev
@@ -382,12 +385,15 @@ class IterationCoordinator:
             self._last_loss = value
         self._outputs.append(OutputRecord(tag, epoch, source, value))
 
-    def _user_call(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
+    def _user_call(self, obj: Any, method: str, *args: Any) -> Any:
+        """Call user code ``obj.method(*args)`` (a missing hook is a no-op)."""
+        fn = getattr(obj, method, None)
+        if fn is None:
+            return None
         try:
             return fn(*args)
         except Exception as ex:
-            name = type(self._op).__name__ if self._op is not None else "coordinator"
-            label = where if "." in where else f"{name}.{where}"
+            label = f"{type(obj).__name__}.{method}"
             self._record_failure(
                 RemoteFailure.capture(ex, source=COORDINATOR, epoch=self.ctx.epoch, where=label)
             )
@@ -427,3 +433,43 @@ class IterationCoordinator:
 
 class _UserCodeFailed(Exception):
     """Internal: user code raised; the failure is already recorded."""
+
+
+class _Slot:
+    """One coordinator-tier operator: one instance for the whole iteration (all-round), or
+    a fresh copy of the template every round (per-round: opened with the variables of
+    its round when first needed, closed after its round's watermark)."""
+
+    def __init__(self, coordinator: IterationCoordinator, template: Any, *, per_round: bool):
+        self._c = coordinator
+        self.template = template
+        self.per_round = per_round
+        self._instance: Any = None
+        self._epoch: int | None = None
+        self._blob: bytes | None = None
+
+    def open_all_round(self) -> None:
+        if self.template is not None and not self.per_round:
+            self._instance = self.template
+            self._c._user_call(self._instance, "open", self._c.store.values, self._c.ctx)
+
+    def get(self, epoch: int) -> Any:
+        if not self.per_round:
+            return self._instance
+        if self._instance is None or self._epoch != epoch:
+            self.end_round()
+            import cloudpickle
+
+            if self._blob is None:
+                self._blob = cloudpickle.dumps(self.template)
+            self._instance, self._epoch = cloudpickle.loads(self._blob), epoch
+            self._c._user_call(self._instance, "open", self._c.store.values, self._c.ctx)
+        return self._instance
+
+    def end_round(self) -> None:
+        if self.per_round and self._instance is not None:
+            op, self._instance, self._epoch = self._instance, None, None
+            self._c._user_call(op, "close")
+
+    def alive(self) -> Any:
+        return None if self.per_round else self._instance

@@ -18,9 +18,15 @@ class Emissions:
     feedback: list[Any] = field(default_factory=list)
     outputs: list[tuple[str, Any]] = field(default_factory=list)
     criteria: int = 0
+    #: feedback of the for_each_round (per-round) partition operator
+    round_feedback: list[Any] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.feedback or self.outputs or self.criteria)
+        return bool(self.feedback or self.round_feedback or self.outputs or self.criteria)
+
+    @property
+    def feedback_count(self) -> int:
+        return len(self.feedback) + len(self.round_feedback)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from ._body import (
     TerminateOnMaxIterOrTol,
     TerminationCriteria,
 )
+from ._bulk_delta import BulkStep, DeltaStep, iterate_bulk, iterate_delta
 from ._config import IterationConfig, OperatorLifecycle
 from ._errors import (
     DataValidationError,
@@ -45,12 +46,14 @@ from ._task import PartitionCollector, PartitionContext
 __version__ = "0.1.0"
 
 __all__ = [
+    "BulkStep",
     "CoordinatorCollector",
     "CoordinatorContext",
     "CoordinatorListener",
     "CoordinatorOperator",
     "DataStream",
     "DataValidationError",
+    "DeltaStep",
     "ForwardInputsOfLastRound",
     "HybridIterError",
     "IterationBody",
@@ -76,4 +79,6 @@ __all__ = [
     "VariablesMismatchError",
     "__version__",
     "iterate_bounded_streams_until_termination",
+    "iterate_bulk",
+    "iterate_delta",
 ]

@@ -7,6 +7,7 @@ output record of both tiers (``process_output``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -106,6 +107,20 @@ class ForwardInputsOfLastRound(CoordinatorListener):
             out.output(self.tag, v)
 
 
+def _check_operator(what: str, op: Any, base: type, optional: bool) -> None:
+    if op is None and optional:
+        return
+    if isinstance(op, type):
+        keyword = what[what.index("(") + 1 : what.index("=")]
+        raise IterationConfigError(
+            f"{what} needs an instance, got the class {op.__name__}; write "
+            f"{keyword}={op.__name__}()"
+        )
+    if not isinstance(op, base):
+        allowed = f"a hybrid_iter.{base.__name__}" + (" or None" if optional else "")
+        raise IterationConfigError(f"{what} must be {allowed}, got {type(op).__name__}")
+
+
 @dataclass(frozen=True)
 class IterationBody:
     """A partition operator, a coordinator operator and coordinator-tier helpers.
@@ -117,33 +132,37 @@ class IterationBody:
       or ``True`` when the operators themselves emit ``out.criteria()``; ``None`` means
       the body has no criteria stream.
     * ``listeners``: more coordinator-tier helpers, e.g. ``ForwardInputsOfLastRound``.
+
+    ``body.for_each_round(partition=..., coordinator=...)`` adds a per-round sub-body
+    (``per_round_partition`` / ``per_round_coordinator``): fresh instances every round
+    next to the all-round operators.
     """
 
     partition: PartitionOperator
     coordinator: CoordinatorOperator | None = None
     criteria: TerminationCriteria | bool | None = None
     listeners: Sequence[CoordinatorListener] = field(default_factory=tuple)
+    per_round_partition: PartitionOperator | None = None
+    per_round_coordinator: CoordinatorOperator | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.partition, type):
+        _check_operator("IterationBody(partition=...)", self.partition, PartitionOperator, False)
+        _check_operator(
+            "IterationBody(coordinator=...)", self.coordinator, CoordinatorOperator, True
+        )
+        _check_operator(
+            "for_each_round(partition=...)", self.per_round_partition, PartitionOperator, True
+        )
+        _check_operator(
+            "for_each_round(coordinator=...)",
+            self.per_round_coordinator,
+            CoordinatorOperator,
+            True,
+        )
+        if self.per_round_coordinator is not None and self.per_round_partition is None:
             raise IterationConfigError(
-                f"IterationBody(partition=...) needs an instance, got the class "
-                f"{self.partition.__name__}; write partition={self.partition.__name__}()"
-            )
-        if not isinstance(self.partition, PartitionOperator):
-            raise IterationConfigError(
-                f"IterationBody(partition=...) must be a hybrid_iter.PartitionOperator, "
-                f"got {type(self.partition).__name__}"
-            )
-        if isinstance(self.coordinator, type):
-            raise IterationConfigError(
-                f"IterationBody(coordinator=...) needs an instance, got the class "
-                f"{self.coordinator.__name__}; write coordinator={self.coordinator.__name__}()"
-            )
-        if self.coordinator is not None and not isinstance(self.coordinator, CoordinatorOperator):
-            raise IterationConfigError(
-                f"IterationBody(coordinator=...) must be a hybrid_iter.CoordinatorOperator or "
-                f"None, got {type(self.coordinator).__name__}"
+                "for_each_round(coordinator=...) needs a partition operator too: it receives "
+                "the feedback of for_each_round(partition=...)"
             )
         if not (
             self.criteria is None
@@ -162,6 +181,26 @@ class IterationBody:
                     f"got {type(listener).__name__}"
                 )
         object.__setattr__(self, "listeners", listeners)
+
+    def for_each_round(
+        self, partition: PartitionOperator, coordinator: CoordinatorOperator | None = None
+    ) -> IterationBody:
+        """This body plus a per-round sub-body (FLIP-176 ``forEachRound``).
+
+        Every round ``e`` gets a fresh ``partition`` instance per subtask (and a fresh
+        ``coordinator`` in the actor): it is opened, sees the variables of ``e`` and the
+        replayed streams' records of round ``e``, its watermark callback of ``e``, and is
+        closed; its state never leaks into another round. Its feedback goes to the
+        per-round ``coordinator`` when given, else to the body's coordinator.
+        """
+        if self.per_round_partition is not None:
+            raise IterationConfigError(
+                "this body already has a for_each_round sub-body; put both per-round "
+                "computations in one PartitionOperator"
+            )
+        return dataclasses.replace(
+            self, per_round_partition=partition, per_round_coordinator=coordinator
+        )
 
     @property
     def has_criteria(self) -> bool:

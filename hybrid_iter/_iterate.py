@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from coordinator import CoordinatorSpec, IterationCoordinator, RemoteFailure, normalize_variables
-from spark_ops import BarrierStage, available_task_slots, num_partitions
+from spark_ops import BarrierStage, ReplayPlan, available_task_slots, num_partitions
 
 from ._body import IterationBody
 from ._config import IterationConfig, OperatorLifecycle
@@ -33,7 +33,7 @@ from ._result import IterationResult
 from ._session import Session
 from ._shipping import dumps
 from ._streams import ReplayableDataStreamList, _is_dataframe
-from ._task import TaskPlan, run_subtask
+from ._task import TaskPlan, run_round, run_subtask
 
 __all__ = ["iterate_bounded_streams_until_termination"]
 
@@ -91,6 +91,13 @@ def _validate(
             raise DataValidationError(
                 f"data stream {i} has no partitions, so no rows; an iteration needs data"
             )
+    if data_streams.any_replayed and config.staleness != 0:
+        raise IterationConfigError(
+            f"replayed streams run one Spark job per round, and round e starts only after "
+            f"the watermark of round e - 1, so the iteration is synchronous: use "
+            f"IterationConfig(staleness=0) (got staleness={config.staleness!r}), or read the "
+            f"streams once with not_replay(...) for async or bounded-staleness training"
+        )
     if config.operator_lifecycle is OperatorLifecycle.PER_ROUND:
         not_replayed = [i for i, r in enumerate(data_streams.replayed) if not r]
         if not_replayed:
@@ -103,6 +110,28 @@ def _validate(
     if len(sessions) != 1:
         raise IterationConfigError("all data streams must come from the same SparkSession")
     return variables, data_streams
+
+
+def _refuse_nested() -> None:
+    """A nested iteration started from inside an operator cannot run: say why."""
+    from pyspark import TaskContext
+
+    where = None
+    if TaskContext.get() is not None:
+        where = "a Spark task (a partition operator)"
+    else:
+        import ray
+
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            where = "a Ray actor (the coordinator operator)"
+    if where is not None:
+        raise IterationConfigError(
+            f"nested iterations are not supported: an iteration was started inside {where}. "
+            f"Operators run in Spark tasks and in the coordinator actor, which cannot launch "
+            f"Spark jobs, and a running iteration's barrier stage holds every task slot. Run "
+            f"the outer loop on the driver: one iteration per outer round over persisted "
+            f"data (docs/semantics.md, 'Nested iterations')"
+        )
 
 
 def _raise_failures(failures: list[RemoteFailure], spark_error: BaseException | None) -> None:
@@ -134,6 +163,7 @@ def iterate_bounded_streams_until_termination(
     """
     started = time.perf_counter()
     started_wall = time.time()
+    _refuse_nested()
     variables, streams = _validate(init_variables, data_streams, config, body)
     spark = streams.dataframes[0].sparkSession
     slots = available_task_slots(spark)
@@ -150,11 +180,17 @@ def iterate_bounded_streams_until_termination(
             f"give Spark more cores (local[{n}], or more executors/cores)"
         )
     op_bytes = dumps(body.partition, f"the partition operator {type(body.partition).__name__}")
+    round_bytes = (
+        dumps(body.per_round_partition, "the for_each_round partition operator")
+        if body.per_round_partition is not None
+        else None
+    )
     coord_bytes = dumps(
-        (body.coordinator, list(body.coordinator_listeners)),
-        f"the coordinator operator {type(body.coordinator).__name__} or a listener",
+        (body.coordinator, body.per_round_coordinator, list(body.coordinator_listeners)),
+        "the coordinator operators or listeners",
     )
     address = _ray_address(spark)
+    per_round = config.operator_lifecycle is OperatorLifecycle.PER_ROUND
 
     import ray
 
@@ -170,6 +206,7 @@ def iterate_bounded_streams_until_termination(
         has_criteria=body.has_criteria,
         init_variables=variables,
         operators=coord_bytes,
+        main_per_round=per_round,
         inline_limit=config.inline_variables_bytes,
         progress_tag=config.progress_tag,
     )
@@ -188,65 +225,25 @@ def iterate_bounded_streams_until_termination(
         numeric_columns=tuple(s.numeric_columns for s in streams.streams),
         staleness=config.staleness,
         has_criteria=body.has_criteria,
+        replayed=streams.replayed,
+        main_per_round=per_round,
+        per_round_operator=round_bytes,
     )
-    stage = BarrierStage(streams.dataframes, n, functools.partial(run_subtask, plan))
-    outcome: dict[str, Any] = {}
-    sc = spark.sparkContext
-
-    def run_stage() -> None:
-        try:
-            sc.setJobGroup(name, f"hybrid_iter {config.mode} iteration", interruptOnCancel=True)
-            outcome["results"] = stage.run()
-        except BaseException as ex:  # surfaced on the driver thread below
-            outcome["error"] = ex
-
-    printer = ProgressPrinter(config.progress, label=config.name or config.mode)
-    thread = threading.Thread(target=run_stage, name=f"{name}-stage", daemon=True)
+    monitor = _Monitor(actor, spark.sparkContext, name, config, n)
+    extra: dict[str, Any] = {}
     try:
-        if not ray.get(actor.progress.remote()).failed:  # the coordinator operator is open
-            thread.start()
-        seen = -1
-        while thread.is_alive():
-            p = ray.get(actor.wait_progress.remote(seen, 0.5))
-            printer.update(p)
-            seen = p.aligned
-            if p.failed:
-                sc.cancelJobGroup(name)  # tasks stuck in user code must not hang us
-            if p.done:
-                thread.join()
-        if thread.ident is not None:
-            thread.join()
-        data = ray.get(actor.result.remote())
-        printer.update(ray.get(actor.progress.remote()), final=True)
-    except BaseException:
-        if thread.is_alive():
-            sc.cancelJobGroup(name)
-            thread.join(timeout=30)
-        raise
+        if streams.any_replayed:
+            _run_rounds(monitor, plan, streams, n, extra)
+        else:
+            stage = BarrierStage(streams.dataframes, n, functools.partial(run_subtask, plan))
+            monitor.run(stage.run)
+            extra["repartitioned"] = stage.repartitioned
+        data = monitor.finish()
     finally:
         try:
             ray.kill(actor)
         except Exception as ex:  # never hide the error being raised
             log.warning("could not kill the coordinator actor %s: %s", name, ex)
-    if data.failures:
-        _raise_failures(data.failures, outcome.get("error"))
-    if "error" in outcome:
-        raise IterationFailedError(
-            f"the Spark stage of the iteration failed: {outcome['error']}", {}
-        ) from outcome["error"]
-    ran = len(outcome.get("results", []))
-    if ran == 0 and data.terminated_by is None:
-        # Spark planned no task at all: its optimizer found every input empty
-        raise DataValidationError(
-            "the data streams have no rows (Spark ran no task over them); an iteration "
-            "needs data: check the DataFrames' filters or sources"
-        )
-    if ran != n or data.terminated_by is None:
-        raise IterationFailedError(
-            f"the iteration's Spark stage ended with {ran} of {n} subtasks and the "
-            f"coordinator {'terminated' if data.terminated_by else 'not terminated'}",
-            {},
-        )
     times = data.alignment_times
     return IterationResult(
         variables=data.variables,
@@ -263,11 +260,129 @@ def iterate_bounded_streams_until_termination(
         seconds=time.perf_counter() - started,
         load_seconds=(times[0] - started_wall) if times else 0.0,
         extra={
-            "repartitioned": stage.repartitioned,
+            **extra,
             "publishes": data.publishes,
             "object_store_puts": data.object_store_puts,
         },
     )
+
+
+def _run_rounds(
+    monitor: _Monitor, plan: TaskPlan, streams: ReplayableDataStreamList, n: int, extra: dict
+) -> None:
+    """One barrier job per round over Spark's cache of the replayed streams."""
+    replay = ReplayPlan(streams.dataframes, streams.replayed, n)
+    try:
+        extra["replay_batches"] = replay.prepare()
+        extra["replay_storage"] = str(replay.storage_level)
+        extra["replay_memory_bytes"] = replay.memory_bytes
+        extra["replay_disk_bytes"] = replay.disk_bytes
+        extra["repartitioned"] = True
+        rounds = 0
+        while True:
+            monitor.run(
+                functools.partial(replay.run_round, rounds, functools.partial(run_round, plan))
+            )
+            rounds += 1
+            if monitor.closed():
+                break
+        extra["rounds"] = rounds
+    finally:
+        replay.close()
+
+
+class _Monitor:
+    """Runs Spark jobs of one iteration on a thread while the driver shows progress."""
+
+    def __init__(self, actor: Any, sc: Any, name: str, config: IterationConfig, n: int) -> None:
+        self.actor, self.sc, self.name, self.n = actor, sc, name, n
+        self.printer = ProgressPrinter(config.progress, label=config.name or config.mode)
+        self.results: list[bytes] = []
+        self.error: BaseException | None = None
+        self.jobs = 0
+        self._seen = -1
+
+    def run(self, job: Any) -> None:
+        """Run ``job()`` (a Spark job returning the subtasks' summaries) to its end."""
+        import ray
+
+        outcome: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                self.sc.setJobGroup(self.name, "hybrid_iter iteration", interruptOnCancel=True)
+                outcome["results"] = job()
+            except BaseException as ex:  # surfaced on the driver thread below
+                outcome["error"] = ex
+            finally:
+                self.actor.wake.remote()  # end the progress poll now, not at its timeout
+
+        thread = threading.Thread(target=target, name=f"{self.name}-job{self.jobs}", daemon=True)
+        self.jobs += 1
+        try:
+            if ray.get(self.actor.progress.remote()).failed:
+                return  # the coordinator could not start: no job
+            thread.start()
+            while thread.is_alive():
+                p = ray.get(self.actor.wait_progress.remote(self._seen, 0.5))
+                self.printer.update(p)
+                self._seen = p.aligned
+                if p.failed:
+                    self.sc.cancelJobGroup(self.name)  # tasks stuck in user code must not hang us
+                if p.done or p.failed:
+                    thread.join()
+            thread.join()
+        except BaseException:
+            if thread.is_alive():
+                self.sc.cancelJobGroup(self.name)
+                thread.join(timeout=30)
+            raise
+        self.results = outcome.get("results", [])
+        if "error" in outcome:
+            self.error = outcome["error"]
+            self._raise_if_failed()
+
+    def closed(self) -> bool:
+        import ray
+
+        p = ray.get(self.actor.progress.remote())
+        if p.failed:
+            self._raise_if_failed()
+        return bool(p.done)
+
+    def _raise_if_failed(self) -> None:
+        import ray
+
+        data = ray.get(self.actor.result.remote())
+        if data.failures:
+            _raise_failures(data.failures, self.error)
+        if self.error is not None:
+            raise IterationFailedError(
+                f"the Spark stage of the iteration failed: {self.error}", {}
+            ) from self.error
+
+    def finish(self) -> Any:
+        """The coordinator's result, after the last job; raises what went wrong."""
+        import ray
+
+        data = ray.get(self.actor.result.remote())
+        self.printer.update(ray.get(self.actor.progress.remote()), final=True)
+        if data.failures:
+            _raise_failures(data.failures, self.error)
+        ran = len(self.results)
+        if ran == 0 and data.terminated_by is None:
+            # Spark planned no task at all: its optimizer found every input empty
+            raise DataValidationError(
+                "the data streams have no rows (Spark ran no task over them); an iteration "
+                "needs data: check the DataFrames' filters or sources"
+            )
+        if ran != self.n or data.terminated_by is None:
+            raise IterationFailedError(
+                f"the iteration's Spark stage ended with {ran} of {self.n} subtasks and the "
+                f"coordinator {'terminated' if data.terminated_by else 'not terminated'}",
+                {},
+            )
+        return data
 
 
 def _group_outputs(records: list[Any]) -> dict[str, list[Any]]:

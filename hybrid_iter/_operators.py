@@ -58,7 +58,19 @@ class PartitionOperator(IterationListener):
         """A new version of the variables (read-only numpy arrays; copy to modify)."""
 
     def close(self) -> None:
-        """Called last, also when the iteration failed. Release resources here."""
+        """Called last, also when the iteration failed. Release resources here.
+
+        A per-round operator (``PER_ROUND`` lifecycle or ``for_each_round``) is closed
+        right after the watermark callback of its round: its end of input."""
+
+    def snapshot_state(self) -> Any:
+        """Optional: the operator's state as a picklable value. Used to carry an
+        all-round operator from one round job to the next (replayed streams) and for
+        checkpoints; without it the whole operator object is pickled."""
+        return None
+
+    def restore_state(self, state: Any) -> None:
+        """Optional: restore what ``snapshot_state`` returned (after ``open``)."""
 
 
 class CoordinatorOperator(IterationListener):
@@ -79,3 +91,7 @@ class CoordinatorOperator(IterationListener):
         self, value: Any, ctx: CoordinatorContext, out: CoordinatorCollector
     ) -> None:
         """One ``out.feedback(value)`` of a partition (``ctx.source_partition``, ``ctx.epoch``)."""
+
+    def close(self) -> None:
+        """Called after ``on_iteration_terminated``; a per-round coordinator operator is
+        closed after the watermark callback of its round."""

@@ -42,20 +42,33 @@ def _is_user_module(module: ModuleType, roots: list[Path]) -> bool:
     return not any(path.is_relative_to(r) for r in roots)
 
 
-def _user_modules(objs: Any) -> set[ModuleType]:
+def _user_modules(obj: Any, *, max_objects: int = 10_000) -> set[ModuleType]:
+    """Modules of user-local classes and functions reachable from ``obj``: its class
+    hierarchy, and what it holds (attributes, containers), walked breadth first."""
     roots = _installed_roots()
     found: set[ModuleType] = set()
-    items = objs if isinstance(objs, (list, tuple)) else [objs]
-    for obj in items:
-        if isinstance(obj, (list, tuple)):
-            found |= _user_modules(obj)
+    seen: set[int] = set()
+    queue = [obj]
+    while queue and len(seen) < max_objects:
+        item = queue.pop()
+        if id(item) in seen or item is None or isinstance(item, (str, bytes, int, float, bool)):
             continue
-        if obj is None:
-            continue
-        for cls in type(obj).__mro__:
-            module = sys.modules.get(cls.__module__)
+        seen.add(id(item))
+        kinds = item.__mro__ if isinstance(item, type) else type(item).__mro__
+        names = [k.__module__ for k in kinds]
+        if callable(item) and hasattr(item, "__module__") and not isinstance(item, type):
+            names.append(item.__module__)
+        for name in names:
+            module = sys.modules.get(name or "")
             if module is not None and _is_user_module(module, roots):
                 found.add(module)
+        if isinstance(item, dict):
+            queue.extend(item.keys())
+            queue.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            queue.extend(item)
+        elif hasattr(item, "__dict__") and not isinstance(item, (type, ModuleType)):
+            queue.extend(vars(item).values())
     return found
 
 

@@ -92,7 +92,12 @@ class ReplayableDataStreamList:
     """The data streams of an iteration, each marked replayed or not.
 
     ``ReplayableDataStreamList.not_replay(df1, df2)``: every stream is read once, at
-    epoch 0, and the partition operators cache what they need.
+    epoch 0, and the partition operators cache what they need (the fast path: one Spark
+    stage for the whole iteration).
+    ``ReplayableDataStreamList.replay(a).and_not_replay(b)``: ``a`` is re-emitted to the
+    body in every round ``e`` with epoch ``e``, once the global watermark reached
+    ``e - 1`` (Spark's cache, ``MEMORY_AND_DISK``, is the replay buffer; each round is
+    one Spark job).
     """
 
     streams: tuple[DataStream, ...]
@@ -102,11 +107,25 @@ class ReplayableDataStreamList:
     def not_replay(cls, *streams: Any) -> ReplayableDataStreamList:
         return cls((), ()).and_not_replay(*streams)
 
+    @classmethod
+    def replay(cls, *streams: Any) -> ReplayableDataStreamList:
+        return cls((), ()).and_replay(*streams)
+
     def and_not_replay(self, *streams: Any) -> ReplayableDataStreamList:
+        return self._add(streams, False)
+
+    def and_replay(self, *streams: Any) -> ReplayableDataStreamList:
+        return self._add(streams, True)
+
+    def _add(self, streams: tuple[Any, ...], replayed: bool) -> ReplayableDataStreamList:
         if len(streams) == 1 and isinstance(streams[0], (list, tuple)):
             streams = tuple(streams[0])
         new = tuple(_as_stream(s) for s in streams)
-        return ReplayableDataStreamList(self.streams + new, self.replayed + (False,) * len(new))
+        return ReplayableDataStreamList(self.streams + new, self.replayed + (replayed,) * len(new))
+
+    @property
+    def any_replayed(self) -> bool:
+        return any(self.replayed)
 
     def __len__(self) -> int:
         return len(self.streams)

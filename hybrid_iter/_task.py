@@ -1,8 +1,14 @@
 """The task-side runtime: joins a Spark task (one subtask) to the coordinator actor.
 
-Runs inside a Spark Python worker. Reads the subtask's data once, then loops epochs with
-one actor call per epoch (``report``), which in sync mode returns at the global
-alignment with the next variables version.
+Runs inside a Spark Python worker. Two ways to run a subtask, one code path:
+
+* ``run_subtask``: the whole iteration in one barrier task (no stream replayed): read
+  the data once, then one actor call (``report``) per epoch, which in sync mode returns
+  at the global alignment with the next variables version.
+* ``run_round``: one round of an iteration with replayed streams (one barrier job per
+  round). The all-round operator's state travels to the next round's task through the
+  coordinator (``stash``/``unstash``): its ``snapshot_state``/``restore_state`` when it
+  defines them, else the pickled operator.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from coordinator import Emissions, RemoteFailure, VariablesPayload
 
 from ._errors import DataValidationError
 
-__all__ = ["PartitionCollector", "PartitionContext", "TaskPlan", "run_subtask"]
+__all__ = ["PartitionCollector", "PartitionContext", "TaskPlan", "run_round", "run_subtask"]
 
 
 @dataclass(frozen=True)
@@ -29,11 +35,18 @@ class TaskPlan:
     ray_address: str
     namespace: str
     actor_name: str
+    #: the body's partition operator (cloudpickle)
     operator: bytes
     num_subtasks: int
     numeric_columns: tuple[tuple[str, ...] | None, ...]
     staleness: int | None
     has_criteria: bool
+    #: which data streams are replayed every round
+    replayed: tuple[bool, ...] = ()
+    #: the partition operator is created afresh every round (PER_ROUND lifecycle)
+    main_per_round: bool = False
+    #: the for_each_round sub-body's partition operator (cloudpickle), if any
+    per_round_operator: bytes | None = None
 
 
 class PartitionContext:
@@ -60,13 +73,17 @@ class PartitionContext:
 class PartitionCollector:
     """``out`` of partition-operator callbacks. Runs in a Spark task."""
 
-    def __init__(self, has_criteria: bool) -> None:
+    def __init__(self, has_criteria: bool, *, per_round: bool = False) -> None:
         self._has_criteria = has_criteria
+        self._per_round = per_round
         self._em = Emissions()
+
+    def _bind(self, em: Emissions) -> None:
+        self._em = em
 
     def feedback(self, value: Any) -> None:
         """Send ``value`` to the coordinator tier's ``process_feedback``."""
-        self._em.feedback.append(value)
+        (self._em.round_feedback if self._per_round else self._em.feedback).append(value)
 
     def output(self, tag: str, value: Any) -> None:
         """Emit a record to the iteration's outputs under ``tag``."""
@@ -82,10 +99,6 @@ class PartitionCollector:
                 "pass IterationBody(..., criteria=True)"
             )
         self._em.criteria += 1
-
-    def drain(self) -> Emissions:
-        em, self._em = self._em, Emissions()
-        return em
 
 
 class _Aborted(Exception):
@@ -139,81 +152,255 @@ def _check_batch(plan: TaskPlan, stream: int, batch: pa.RecordBatch, pid: int) -
             )
 
 
-def run_subtask(plan: TaskPlan, pid: int, inputs: Iterator[tuple[int, pa.RecordBatch]]) -> bytes:
-    """Run one subtask to the end; returns a pickled summary for the driver."""
-    import cloudpickle
+class _Subtask:
+    """One subtask's operators, context and protocol state."""
+
+    def __init__(self, plan: TaskPlan, pid: int, coord: Any) -> None:
+        self.plan = plan
+        self.pid = pid
+        self.coord = coord
+        self.ctx = PartitionContext(pid, plan.num_subtasks, plan.staleness)
+        self.em = Emissions()
+        self.out = PartitionCollector(plan.has_criteria)
+        self.round_out = PartitionCollector(plan.has_criteria, per_round=True)
+        self.all_round: Any = None  # the long-lived partition operator, if any
+        self.per_round: list[tuple[Any, PartitionCollector]] = []
+        self.variables: dict[str, Any] = {}
+        self.rows = [0] * len(plan.numeric_columns)
+        self.k = 0  # the next call to make
+        self.last: Any = None  # the last reply
+        self.where, self.user, self.op_name = "joining the Ray cluster", False, ""
+        self._bind()
+
+    # -- bookkeeping ------------------------------------------------------------------
+
+    def _bind(self) -> None:
+        self.out._bind(self.em)
+        self.round_out._bind(self.em)
+
+    def _drain(self) -> Emissions:
+        em, self.em = self.em, Emissions()
+        self._bind()
+        return em
+
+    def call(self, op: Any, method: str, *args: Any) -> Any:
+        self.where, self.user, self.op_name = method, True, type(op).__name__
+        return getattr(op, method)(*args)
+
+    def step(self, what: str) -> None:
+        self.where, self.user = what, False
+
+    def ask(self, remote: Any) -> Any:
+        import ray
+
+        self.step("waiting for the coordinator")
+        return ray.get(remote)
+
+    def label(self) -> str:
+        return f"{self.op_name}.{self.where}" if self.user else self.where
+
+    def _load(self, blob: bytes) -> Any:
+        import cloudpickle
+
+        self.step("loading the partition operator")
+        return cloudpickle.loads(blob)
+
+    def _fetch_variables(self) -> None:
+        payload = self.ask(self.coord.variables.remote(-1))
+        self.variables = _resolve(payload)
+        self.ctx.variables_version = payload.version
+
+    def _new_round_ops(self) -> None:
+        """Fresh per-round operators for the current epoch, opened with its variables."""
+        blobs = []
+        if self.plan.main_per_round:
+            blobs.append((self.plan.operator, self.out))
+        if self.plan.per_round_operator is not None:
+            blobs.append((self.plan.per_round_operator, self.round_out))
+        self.per_round = []
+        for blob, out in blobs:
+            op = self._load(blob)
+            self.per_round.append((op, out))
+            self.call(op, "open", self.ctx)
+            self.call(op, "process_variables", self.variables, self.ctx, out)
+
+    def _consume(self, inputs: Iterator[tuple[int, pa.RecordBatch]]) -> None:
+        self.step("reading the data")
+        for stream, batch in inputs:
+            _check_batch(self.plan, stream, batch, self.pid)
+            self.rows[stream] += batch.num_rows
+            if self.all_round is not None:
+                self.call(self.all_round, "process_data", stream, batch, self.ctx, self.out)
+            if self.plan.replayed and self.plan.replayed[stream]:
+                for op, out in self.per_round:
+                    self.call(op, "process_data", stream, batch, self.ctx, out)
+            self.step("reading the data")
+
+    def _report(self) -> bool:
+        """Make call ``k``; handle the reply. True when the iteration terminated."""
+        rows = self.rows if self.k == 0 else None
+        reply = self.ask(
+            self.coord.report.remote(
+                self.pid, self.k, self.ctx.variables_version, self._drain(), rows
+            )
+        )
+        if reply.error is not None:
+            raise _Aborted(f"subtask {self.pid} stopped because {reply.error}")
+        self.k += 1
+        self.last = reply
+        self.ctx.global_epoch_watermark = reply.aligned
+        if reply.variables is not None:
+            self.step("reading the variables")
+            self.variables = _resolve(reply.variables)
+            self.ctx.variables_version = reply.variables.version
+            if self.all_round is not None:
+                self.call(self.all_round, "process_variables", self.variables, self.ctx, self.out)
+        return bool(reply.terminated)
+
+    # -- the protocol -----------------------------------------------------------------
+
+    def start(self, inputs: Iterator[tuple[int, pa.RecordBatch]]) -> bool:
+        """Epoch-0 input (initial variables, every stream's data), then call 0."""
+        self._fetch_variables()
+        if not self.plan.main_per_round:
+            self.all_round = self._load(self.plan.operator)
+            self.call(self.all_round, "open", self.ctx)
+            self.call(self.all_round, "process_variables", self.variables, self.ctx, self.out)
+        self._new_round_ops()
+        self._consume(inputs)
+        return self._report()
+
+    def epoch(self, inputs: Iterator[tuple[int, pa.RecordBatch]] | None = None) -> bool:
+        """Run epoch ``k - 1`` (granted by the last reply): its per-round operators and
+        replayed data, every watermark callback, then call ``k``."""
+        e = self.k - 1
+        self.ctx.epoch = e
+        if e > 0 and (self.plan.main_per_round or self.plan.per_round_operator is not None):
+            self._new_round_ops()
+        if inputs is not None:
+            self._consume(inputs)
+        if self.all_round is not None:
+            self.call(self.all_round, "on_epoch_watermark_incremented", e, self.ctx, self.out)
+        for op, out in self.per_round:
+            self.call(op, "on_epoch_watermark_incremented", e, self.ctx, out)
+        self._close_round_ops()
+        return self._report()
+
+    def terminate(self) -> None:
+        """Termination: only operators still alive (the all-round one) hear of it."""
+        if self.all_round is not None:
+            self.call(self.all_round, "on_iteration_terminated", self.ctx, self.out)
+        self.ask(self.coord.finish.remote(self.pid, self._drain()))
+
+    def _close_round_ops(self) -> None:
+        ops, self.per_round = self.per_round, []
+        for op, _ in ops:
+            self.call(op, "close")
+
+    def close(self) -> None:
+        """Best effort on the way out (also after a failure)."""
+        for op in [self.all_round, *(op for op, _ in self.per_round)]:
+            if op is not None:
+                try:
+                    op.close()
+                except Exception:
+                    pass  # close() must not hide the iteration's own outcome
+
+    # -- state between round jobs -----------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        import cloudpickle
+
+        self.step("snapshotting the partition operator")
+        op = self.all_round
+        state: dict[str, Any] = {"k": self.k, "rows": self.rows, "last": self.last.aligned}
+        if op is not None and _defines(op, "snapshot_state"):
+            state["state"] = self.call(op, "snapshot_state")
+        else:
+            state["operator"] = op
+        return cloudpickle.dumps(state)
+
+    def restore(self, blob: bytes | None) -> None:
+        import cloudpickle
+
+        if blob is None:
+            raise RuntimeError(f"subtask {self.pid}: no state was stashed by the previous round")
+        state = cloudpickle.loads(blob)
+        self.k, self.rows = state["k"], state["rows"]
+        self.ctx.epoch = self.k - 1
+        self.ctx.global_epoch_watermark = state["last"]
+        self._fetch_variables()
+        if "state" in state:
+            self.all_round = self._load(self.plan.operator)
+            self.call(self.all_round, "open", self.ctx)
+            self.call(self.all_round, "restore_state", state["state"])
+        else:
+            self.all_round = state["operator"]
+
+
+def _defines(op: Any, method: str) -> bool:
+    """True when the operator's class overrides the base class's hook."""
+    from ._operators import PartitionOperator
+
+    return getattr(type(op), method, None) is not getattr(PartitionOperator, method)
+
+
+def _guarded(plan: TaskPlan, pid: int, body: Any) -> bytes:
+    """Run ``body(subtask)``; report a failure of this subtask to the coordinator."""
     import ray
 
-    ctx = PartitionContext(pid, plan.num_subtasks, plan.staleness)
-    out = PartitionCollector(plan.has_criteria)
-    coord: Any = None
-    op: Any = None
-    # what runs now: a user method (named after the operator) or a framework step
-    where, user = "joining the Ray cluster and the coordinator", False
-    rows = [0] * len(plan.numeric_columns)
-    k = 0
+    sub = _Subtask(plan, pid, None)
     aborted = False
-
-    def ask(call: Any) -> Any:
-        nonlocal where, user
-        where, user = "waiting for the coordinator", False
-        return ray.get(call)
-
     try:
-        coord = _coordinator(plan)
-        where = "loading the partition operator"
-        op = cloudpickle.loads(plan.operator)
-        where, user = "open", True
-        op.open(ctx)
-        payload = ask(coord.variables.remote(-1))
-        ctx.variables_version = payload.version
-        where, user = "process_variables", True
-        op.process_variables(_resolve(payload), ctx, out)
-        where, user = "reading the data", False
-        for stream, batch in inputs:
-            _check_batch(plan, stream, batch, pid)
-            rows[stream] += batch.num_rows
-            where, user = "process_data", True
-            op.process_data(stream, batch, ctx, out)
-            where, user = "reading the data", False
-        while True:
-            em = out.drain()
-            reply = ask(
-                coord.report.remote(pid, k, ctx.variables_version, em, rows if k == 0 else None)
-            )
-            if reply.error is not None:
-                raise _Aborted(f"subtask {pid} stopped because {reply.error}")
-            ctx.global_epoch_watermark = reply.aligned
-            if reply.variables is not None:
-                ctx.variables_version = reply.variables.version
-                where, user = "process_variables", True
-                op.process_variables(_resolve(reply.variables), ctx, out)
-            if reply.terminated:
-                break
-            ctx.epoch = k
-            where, user = "on_epoch_watermark_incremented", True
-            op.on_epoch_watermark_incremented(k, ctx, out)
-            k += 1
-        where, user = "on_iteration_terminated", True
-        op.on_iteration_terminated(ctx, out)
-        ask(coord.finish.remote(pid, out.drain()))
+        sub.coord = _coordinator(plan)
+        body(sub)
     except _Aborted:
         # Another participant failed and the coordinator holds its error for the driver;
         # this subtask ends quietly instead of adding a second, misleading traceback.
         aborted = True
     except Exception as ex:
-        label = f"{type(op).__name__}.{where}" if user else where
-        failure = RemoteFailure.capture(ex, source=pid, epoch=ctx.epoch, where=label)
-        if coord is not None:
+        failure = RemoteFailure.capture(ex, source=pid, epoch=sub.ctx.epoch, where=sub.label())
+        if sub.coord is not None:
             try:
-                ray.get(coord.fail.remote(failure), timeout=30)
+                ray.get(sub.coord.fail.remote(failure), timeout=30)
             except Exception:
                 pass  # the coordinator is gone; Spark's own failure still reaches the driver
+        sub.close()
         raise
-    finally:
-        if op is not None and hasattr(op, "close"):
-            try:
-                op.close()
-            except Exception:
-                pass  # close() must not hide the iteration's own outcome
-    return pickle.dumps({"partition_id": pid, "epochs": k, "rows": rows, "aborted": aborted})
+    if aborted:
+        sub.close()
+    summary = {"partition_id": pid, "epochs": sub.k - 1, "rows": sub.rows, "aborted": aborted}
+    return pickle.dumps(summary)
+
+
+def run_subtask(plan: TaskPlan, pid: int, inputs: Iterator[tuple[int, pa.RecordBatch]]) -> bytes:
+    """The whole iteration in one task; returns a pickled summary for the driver."""
+
+    def body(sub: _Subtask) -> None:
+        terminated = sub.start(inputs)
+        while not terminated:
+            terminated = sub.epoch()
+        sub.terminate()
+        sub.close()
+
+    return _guarded(plan, pid, body)
+
+
+def run_round(
+    plan: TaskPlan, round_: int, pid: int, inputs: Iterator[tuple[int, pa.RecordBatch]]
+) -> bytes:
+    """Round ``round_`` of an iteration with replayed streams (one barrier job per round)."""
+
+    def body(sub: _Subtask) -> None:
+        if round_ == 0:
+            terminated = sub.start(inputs) or sub.epoch()
+        else:
+            sub.restore(sub.ask(sub.coord.unstash.remote(pid)))
+            terminated = sub.epoch(inputs)
+        if terminated:
+            sub.terminate()
+            sub.close()
+        else:
+            sub.ask(sub.coord.stash.remote(pid, sub.snapshot()))
+
+    return _guarded(plan, pid, body)

@@ -5,13 +5,14 @@ Never imports ray or hybrid_iter.
 """
 
 from .aggregate import AggregateFunction
-from .barrier import BarrierStage, available_task_slots, num_partitions
+from .barrier import BarrierStage, ReplayPlan, available_task_slots, num_partitions
 from .partition_cache import NumpyCache, column_to_numpy, is_numeric_arrow_type
 
 __all__ = [
     "AggregateFunction",
     "BarrierStage",
     "NumpyCache",
+    "ReplayPlan",
     "available_task_slots",
     "column_to_numpy",
     "is_numeric_arrow_type",

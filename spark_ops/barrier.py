@@ -17,6 +17,7 @@ subtask, each read once.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ import pyarrow as pa
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["BarrierStage", "available_task_slots", "num_partitions"]
+__all__ = ["BarrierStage", "ReplayPlan", "available_task_slots", "num_partitions"]
 
 TaskFn = Callable[[int, Iterator[tuple[int, pa.RecordBatch]]], bytes]
 
@@ -141,12 +142,75 @@ class BarrierStage:
         return [r[0] for r in rows]
 
     def _run_multi(self) -> list[bytes]:
-        n = self.num_subtasks
-        keyed = [
-            df.mapInArrow(_frame_fn, _FRAMED_SCHEMA).rdd.mapPartitionsWithIndex(_key_fn(i, n))
-            for i, df in enumerate(self.streams)
-        ]
-        union = self.streams[0].sparkSession.sparkContext.union(keyed)
-        shuffled = union.repartitionAndSortWithinPartitions(n, partitionFunc=_target)
+        shuffled = _to_subtasks(self.streams, range(len(self.streams)), self.num_subtasks)
         self.repartitioned = True
         return list(shuffled.barrier().mapPartitions(_multi_stream_fn(self.task)).collect())
+
+
+def _to_subtasks(streams: Sequence[DataFrame], indices: Sequence[int], n: int) -> Any:
+    """The streams ``indices`` as one RDD of framed batches, partition ``p`` = subtask ``p``."""
+    keyed = [
+        streams[i].mapInArrow(_frame_fn, _FRAMED_SCHEMA).rdd.mapPartitionsWithIndex(_key_fn(i, n))
+        for i in indices
+    ]
+    union = streams[0].sparkSession.sparkContext.union(keyed)
+    return union.repartitionAndSortWithinPartitions(n, partitionFunc=_target)
+
+
+RoundTaskFn = Callable[[int, int, Iterator[tuple[int, pa.RecordBatch]]], bytes]
+
+
+class ReplayPlan:
+    """Replayed streams, framed per subtask and persisted ``MEMORY_AND_DISK``: Spark's cache
+    is the replay buffer (memory first, disk beyond it, so data larger than memory still
+    replays). ``run_round(e, task)`` runs round ``e`` as one barrier job: round 0 reads the
+    not-replayed streams too (partitioned the same way, so the union needs no shuffle of
+    the cache), later rounds only the cache.
+    """
+
+    def __init__(
+        self, streams: Sequence[DataFrame], replayed: Sequence[bool], num_subtasks: int
+    ) -> None:
+        if len(streams) != len(replayed) or not any(replayed):
+            raise ValueError("a ReplayPlan needs at least one replayed stream")
+        self.streams = list(streams)
+        self.replayed = list(replayed)
+        self.num_subtasks = num_subtasks
+        self._cache: Any = None
+        #: where the replay cache lives once prepared (Spark's storage info)
+        self.memory_bytes = 0
+        self.disk_bytes = 0
+
+    def prepare(self) -> int:
+        """Build and materialise the replay cache (one Spark job); returns its batch count."""
+        from pyspark import StorageLevel
+
+        indices = [i for i, r in enumerate(self.replayed) if r]
+        self._cache = _to_subtasks(self.streams, indices, self.num_subtasks).persist(
+            StorageLevel.MEMORY_AND_DISK
+        )
+        batches = int(self._cache.count())
+        jsc = self.streams[0].sparkSession.sparkContext._jsc.sc()
+        for info in jsc.getRDDStorageInfo():
+            if info.id() == self._cache.id():
+                self.memory_bytes, self.disk_bytes = int(info.memSize()), int(info.diskSize())
+        return batches
+
+    @property
+    def storage_level(self) -> Any:
+        return self._cache.getStorageLevel() if self._cache is not None else None
+
+    def run_round(self, round_: int, task: RoundTaskFn) -> list[bytes]:
+        if self._cache is None:
+            raise RuntimeError("ReplayPlan.prepare() must run before the first round")
+        rdd = self._cache
+        once = [i for i, r in enumerate(self.replayed) if not r]
+        if round_ == 0 and once:
+            rdd = rdd.union(_to_subtasks(self.streams, once, self.num_subtasks))
+        fn = _multi_stream_fn(functools.partial(task, round_))
+        return list(rdd.barrier().mapPartitions(fn).collect())
+
+    def close(self) -> None:
+        if self._cache is not None:
+            self._cache.unpersist()
+            self._cache = None

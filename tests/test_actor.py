@@ -34,7 +34,7 @@ def coordinator(n=3, staleness=0, max_epochs=3, op=None):
         max_epochs=max_epochs,
         has_criteria=False,
         init_variables={"total": 0.0},
-        operators=cloudpickle.dumps((op or Sum(), [])),
+        operators=cloudpickle.dumps((op or Sum(), None, [])),
     )
     return IterationCoordinator(spec, put=None)
 
