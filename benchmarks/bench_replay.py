@@ -178,7 +178,9 @@ def main() -> None:
     print()
     print(f"replayed / all-round          {report['ratio_replayed_over_all_round']:.1f}x")
     print(
-        f"replay overhead per round     {med['replay_overhead'] * 1e3:.0f} ms ({report['ratio_replay_overhead_over_spark_job']:.2f}x a Spark job over the cache)"
+        f"replay overhead per round     {med['replay_overhead'] * 1e3:.0f} ms "
+        f"({report['ratio_replay_overhead_over_spark_python_job']:.2f}x a Spark job feeding the "
+        f"cached rows to Python, {report['ratio_replay_overhead_over_spark_job']:.2f}x a JVM count)"
     )
     if mllib:
         print(
