@@ -5,13 +5,23 @@ versioned variables store of the parameter server.
 Never imports pyspark or hybrid_iter.
 """
 
-from ._actor import CoordinatorCollector, CoordinatorContext, CoordinatorSpec, IterationCoordinator
+from ._actor import (
+    CheckpointSpec,
+    CoordinatorCollector,
+    CoordinatorContext,
+    CoordinatorSpec,
+    IterationCoordinator,
+)
+from ._checkpoint import CheckpointCorrupt, CheckpointStore, LoadedCheckpoint, fingerprint_mismatch
 from ._errors import RemoteFailure, VariablesMismatchError
 from ._protocol import Emissions, OutputRecord, Progress, Reply, ResultData
 from ._state import EpochCounts, EpochStateMachine, Release, StateMachineError, TerminationReason
 from ._variables import VariablesPayload, VariableSpec, VariablesStore, normalize_variables
 
 __all__ = [
+    "CheckpointCorrupt",
+    "CheckpointSpec",
+    "CheckpointStore",
     "CoordinatorCollector",
     "CoordinatorContext",
     "CoordinatorSpec",
@@ -19,6 +29,7 @@ __all__ = [
     "EpochCounts",
     "EpochStateMachine",
     "IterationCoordinator",
+    "LoadedCheckpoint",
     "OutputRecord",
     "Progress",
     "Release",
@@ -31,5 +42,6 @@ __all__ = [
     "VariablesMismatchError",
     "VariablesPayload",
     "VariablesStore",
+    "fingerprint_mismatch",
     "normalize_variables",
 ]

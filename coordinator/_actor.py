@@ -10,17 +10,25 @@ variable versions, passed in as a function so the class works without Ray in tes
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from ._checkpoint import CheckpointStore, fingerprint_mismatch
 from ._errors import RemoteFailure
 from ._protocol import Emissions, OutputRecord, Progress, Reply, ResultData
 from ._state import EpochStateMachine, StateMachineError
 from ._variables import DEFAULT_INLINE_LIMIT, VariablesPayload, VariablesStore
 
-__all__ = ["CoordinatorCollector", "CoordinatorContext", "CoordinatorSpec", "IterationCoordinator"]
+__all__ = [
+    "CheckpointSpec",
+    "CoordinatorCollector",
+    "CoordinatorContext",
+    "CoordinatorSpec",
+    "IterationCoordinator",
+]
 
 COORDINATOR = "coordinator"
 
@@ -40,8 +48,25 @@ class CoordinatorSpec:
     operators: bytes = b""
     #: the main coordinator operator is created afresh every round (PER_ROUND lifecycle)
     main_per_round: bool = False
+    checkpoint: CheckpointSpec | None = None
+    #: fault injection for tests: the actor's process exits at this alignment, once
+    kill_at_alignment: int | None = None
     inline_limit: int = DEFAULT_INLINE_LIMIT
     progress_tag: str = "loss"
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """Where and how often the coordinator checkpoints, and whether it restores."""
+
+    uri: str
+    #: checkpoint at every alignment that is a multiple of this (0: never, only restore)
+    every_epochs: int = 1
+    keep_last: int = 2
+    #: what identifies the iteration; a checkpoint with another fingerprint is refused
+    fingerprint: Mapping[str, Any] = field(default_factory=dict)
+    #: start from the newest valid checkpoint (a retry, or resume_from)
+    restore: bool = False
 
 
 class CoordinatorContext:
@@ -145,6 +170,8 @@ class IterationCoordinator:
         self._progress_waiters: list[asyncio.Future[None]] = []
         self._last_loss: Any = None
         self._closed = False
+        #: the launch whose calls are accepted (None until the driver opens one)
+        self._attempt: int | None = None
         self._stash: dict[int, bytes] = {}
         self._main = _Slot(self, None, per_round=spec.main_per_round)
         self._round = _Slot(self, None, per_round=True)
@@ -166,10 +193,30 @@ class IterationCoordinator:
                     "importable there? see hybrid_iter docs on shipping code)",
                 )
             )
+        self._ckpt_store: CheckpointStore | None = None
+        self._pending_ckpt: dict[str, Any] | None = None
+        self._restored: dict[int, tuple[int, bytes | None]] = {}
+        self._saved_outputs = 0
+        self.checkpoints: list[tuple[int, str, float]] = []  # (epoch, path, seconds)
+        self.restored_from: str | None = None
+        self.skipped_checkpoints: list[tuple[str, str]] = []
+        self._reconstructed = _was_reconstructed()
         try:
-            self._main.open_all_round()
+            ck = spec.checkpoint
+            if ck is not None:
+                self._ckpt_store = CheckpointStore(ck.uri, keep_last=ck.keep_last)
+            if ck is not None and (ck.restore or self._reconstructed) and self._restore():
+                pass  # state, operators and listeners come from the checkpoint
+            else:
+                self._main.open_all_round()
         except _UserCodeFailed:
             pass  # recorded: every call from now on answers with the failure
+        except Exception as ex:  # a checkpoint that cannot be used
+            self._record_failure(
+                RemoteFailure.capture(
+                    ex, source=COORDINATOR, epoch=None, where="restoring a checkpoint"
+                )
+            )
 
     # -- calls from Spark tasks ---------------------------------------------------------
 
@@ -184,8 +231,11 @@ class IterationCoordinator:
         known_version: int,
         emissions: Emissions,
         rows: Sequence[int] | None = None,
+        attempt: int = 0,
     ) -> Reply:
         """Subtask ``pid``'s call ``epoch``; returns when it may run that epoch (or stop)."""
+        if attempt != self._attempt:
+            return self._stale_reply(epoch, attempt)
         if self._failures:
             return self._error_reply(epoch)
         try:  # validate the call before anything waits on it
@@ -218,9 +268,9 @@ class IterationCoordinator:
         self._release()
         return await future
 
-    async def finish(self, pid: int, emissions: Emissions) -> None:
+    async def finish(self, pid: int, emissions: Emissions, attempt: int = 0) -> None:
         """Subtask ``pid`` ran ``on_iteration_terminated``; ``emissions`` are its last."""
-        if self._failures:
+        if self._failures or attempt != self._attempt:
             return
         try:
             self._final[pid] = emissions
@@ -240,9 +290,45 @@ class IterationCoordinator:
             )
         self._notify_progress()
 
-    async def fail(self, failure: RemoteFailure) -> None:
+    async def fail(self, failure: RemoteFailure, attempt: int = 0) -> None:
         """A subtask failed: stop everyone waiting, keep the failure for the driver."""
-        self._record_failure(failure)
+        if attempt == self._attempt:  # a task of an earlier attempt dying is old news
+            self._record_failure(failure)
+
+    def begin_attempt(self, attempt: int) -> None:
+        """Accept calls of launch ``attempt`` only: tasks of an earlier launch that are
+        still dying must not disturb a coordinator restored for the next one."""
+        self._attempt = attempt
+
+    def _stale_reply(self, epoch: int, attempt: int) -> Reply:
+        stale = RemoteFailure(
+            COORDINATOR,
+            epoch,
+            "fencing",
+            "StaleAttempt",
+            f"a call of launch {attempt} reached the coordinator of launch {self._attempt}",
+            "",
+        )
+        return Reply(epoch, True, self.sm.aligned, None, stale)
+
+    async def checkpoint_state(
+        self, pid: int, epoch: int, known_version: int, state: bytes | None, attempt: int = 0
+    ) -> Reply:
+        """Subtask ``pid``'s state for the pending checkpoint; it waits in call ``epoch``."""
+        if attempt != self._attempt:
+            return self._stale_reply(epoch, attempt)
+        if self._failures:
+            return self._error_reply(epoch)
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._waiters[pid] = (epoch, known_version, future)
+        if self._pending_ckpt is not None:
+            self._pending_ckpt["states"][pid] = (epoch, state)
+        self._release()
+        return await future
+
+    async def restored(self, pid: int) -> tuple[int, bytes | None] | None:
+        """What subtask ``pid`` restores: ``(the call to make again, its state)``."""
+        return self._restored.get(pid)
 
     async def wake(self) -> None:
         """Answer the driver's pending progress poll now (its Spark job just ended)."""
@@ -324,7 +410,20 @@ class IterationCoordinator:
                     )
                     return
             self._alignment_times.append(time.time())
-            self.sm.complete_alignment(k)
+            reason = self.sm.complete_alignment(k)
+            if k == self.spec.kill_at_alignment and not self._reconstructed:
+                os._exit(17)  # fault injection: the coordinator's process dies here
+            ck = self.spec.checkpoint
+            if (
+                reason is None
+                and ck is not None
+                and k >= 1
+                and ck.every_epochs
+                and k % ck.every_epochs == 0
+            ):
+                self._pending_ckpt = {"epoch": k, "states": {}, "started": time.perf_counter()}
+            elif reason is not None:
+                self._pending_ckpt = None
             self._notify_progress()
 
     def _apply_partition_emissions(self, pid: int, epoch: int, em: Emissions) -> None:
@@ -414,9 +513,126 @@ class IterationCoordinator:
     def _payload_for(self, known_version: int) -> VariablesPayload | None:
         return self.store.payload() if self.store.version > known_version else None
 
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def _dump_operator(self, op: Any) -> tuple[str, bytes]:
+        import cloudpickle
+
+        if hasattr(op, "snapshot_state") and _overrides(op, "snapshot_state"):
+            return "state", cloudpickle.dumps(self._user_call(op, "snapshot_state"))
+        return "object", cloudpickle.dumps(op)
+
+    def _write_checkpoint(self) -> None:
+        import cloudpickle
+
+        assert self._pending_ckpt is not None and self._ckpt_store is not None
+        pending, self._pending_ckpt = self._pending_ckpt, None
+        epoch = pending["epoch"]
+        calls = {pid: call for pid, (call, _) in pending["states"].items()}
+        main = self._main.alive()
+        data = {
+            "fingerprint": dict(self.spec.checkpoint.fingerprint),
+            "epoch": epoch,
+            "sm": self.sm.snapshot(calls),
+            "variables": self.store.values,
+            "version": self.store.version,
+            "publishes": self.store.publishes,
+            "main": self._dump_operator(main) if main is not None else None,
+            "listeners": cloudpickle.dumps(list(self._listeners)),
+            "partitions": dict(pending["states"]),
+            "feedback_counts": list(self._feedback_counts),
+            "rows": list(self._rows),
+            "alignment_times": list(self._alignment_times),
+            "last_loss": self._last_loss,
+        }
+        new_outputs = self._outputs[self._saved_outputs :]
+        path = self._ckpt_store.save(epoch, data, new_outputs)
+        self._saved_outputs = len(self._outputs)
+        self.checkpoints.append((epoch, path, time.perf_counter() - pending["started"]))
+
+    def _restore(self) -> bool:
+        """Load the newest valid checkpoint; False when there is none."""
+        import cloudpickle
+
+        assert self._ckpt_store is not None and self.spec.checkpoint is not None
+        loaded = self._ckpt_store.load_latest()
+        if loaded is None:
+            return False
+        self.skipped_checkpoints = list(loaded.skipped)
+        if loaded.epoch < 0:
+            raise ValueError(
+                "no valid checkpoint in "
+                + self._ckpt_store.uri
+                + ": "
+                + "; ".join(f"{p}: {why}" for p, why in loaded.skipped)
+            )
+        data = loaded.data
+        mismatch = fingerprint_mismatch(
+            data.get("fingerprint", {}), self.spec.checkpoint.fingerprint
+        )
+        if mismatch:
+            raise ValueError(f"checkpoint {loaded.path} is of another iteration: {mismatch}")
+        self.sm = EpochStateMachine.restore(
+            data["sm"],
+            staleness=self.spec.staleness,
+            max_epochs=self.spec.max_epochs,
+            has_criteria=self.spec.has_criteria,
+        )
+        self.store.restore(data["variables"], data["version"], data["publishes"])
+        if data["main"] is not None and self._main.template is not None:
+            kind, blob = data["main"]
+            if kind == "state":
+                self._main.open_all_round()
+                self._user_call(self._main.alive(), "restore_state", cloudpickle.loads(blob))
+            else:
+                self._main.adopt(cloudpickle.loads(blob))
+        self._listeners = cloudpickle.loads(data["listeners"])
+        self._restored = dict(data["partitions"])
+        self._feedback_counts = list(data["feedback_counts"])
+        self._rows = list(data["rows"])
+        self._alignment_times = list(data["alignment_times"])
+        self._last_loss = data["last_loss"]
+        self._outputs = list(self._ckpt_store.outputs_until(loaded.epoch))
+        self._saved_outputs = len(self._outputs)
+        self.restored_from = loaded.path
+        return True
+
+    def checkpoint_info(self) -> dict[str, Any]:
+        return {
+            "checkpoints": list(self.checkpoints),
+            "restored_from": self.restored_from,
+            "skipped": list(self.skipped_checkpoints),
+            "reconstructed": self._reconstructed,
+        }
+
     def _release(self) -> None:
         if self._failures:
             return
+        if self._pending_ckpt is not None:
+            if self.sm.terminated is not None:
+                self._pending_ckpt = None  # nothing to resume any more
+            else:
+                states = self._pending_ckpt["states"]
+                for pid in [p for p in self._waiters if p not in states]:
+                    epoch, _, future = self._waiters.pop(pid)
+                    if not future.done():  # it answers with its state and waits there
+                        future.set_result(Reply(epoch, False, self.sm.aligned, need_state=True))
+                if len(states) < self.spec.num_subtasks:
+                    return  # hold everyone until every subtask's state is in
+                try:
+                    self._write_checkpoint()
+                except _UserCodeFailed:
+                    return
+                except Exception as ex:
+                    self._record_failure(
+                        RemoteFailure.capture(
+                            ex,
+                            source=COORDINATOR,
+                            epoch=self.sm.aligned,
+                            where="writing a checkpoint",
+                        )
+                    )
+                    return
         for r in self.sm.releasable():
             _, known_version, future = self._waiters.pop(r.pid)
             if not future.done():
@@ -433,6 +649,21 @@ class IterationCoordinator:
 
 class _UserCodeFailed(Exception):
     """Internal: user code raised; the failure is already recorded."""
+
+
+def _was_reconstructed() -> bool:
+    """True in an actor that Ray restarted after its process died."""
+    try:
+        import warnings
+
+        import ray
+
+        with warnings.catch_warnings():  # Ray flags the property deprecated, with no successor
+            warnings.simplefilter("ignore")
+            ctx = ray.get_runtime_context()
+            return bool(ray.is_initialized() and ctx.was_current_actor_reconstructed)
+    except Exception:
+        return False
 
 
 class _Slot:
@@ -473,3 +704,15 @@ class _Slot:
 
     def alive(self) -> Any:
         return None if self.per_round else self._instance
+
+    def adopt(self, instance: Any) -> None:
+        """Use a restored all-round instance (already opened in its first life)."""
+        self._instance = instance
+
+
+def _overrides(obj: Any, method: str) -> bool:
+    """True when ``obj``'s class defines ``method`` itself (not the no-op base hook)."""
+    for klass in type(obj).__mro__:
+        if method in vars(klass):
+            return klass.__module__.split(".")[0] != "hybrid_iter"
+    return False

@@ -48,6 +48,8 @@ class Reply:
     aligned: int
     variables: VariablesPayload | None = None
     error: RemoteFailure | None = None
+    #: a checkpoint is being taken: send your state (``checkpoint_state``) and wait there
+    need_state: bool = False
 
 
 @dataclass(frozen=True, slots=True)

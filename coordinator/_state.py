@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["EpochCounts", "EpochStateMachine", "Release", "StateMachineError", "TerminationReason"]
 
@@ -174,6 +175,30 @@ class EpochStateMachine:
     def fail(self) -> None:
         self.failed = True
 
+    # -- checkpoints --------------------------------------------------------------------
+
+    def snapshot(self, calls: dict[int, int]) -> dict:
+        """Plain data of a consistent cut: ``calls[pid]`` is the call each subtask is held
+        in (it will make that call again after a restore)."""
+        if self.terminated is not None or self.failed:
+            raise StateMachineError("a terminated or failed iteration is not checkpointed")
+        if sorted(calls) != list(range(self.num_subtasks)):
+            raise StateMachineError(f"a checkpoint needs every subtask's call, got {sorted(calls)}")
+        return {
+            "calls": dict(calls),
+            "aligned": self.aligned,
+            "counts": {e: (c.feedback, c.published, c.criteria) for e, c in self.counts.items()},
+        }
+
+    @classmethod
+    def restore(cls, snapshot: dict, **config: Any) -> EpochStateMachine:
+        """A state machine where every subtask is about to make its held call again."""
+        sm = cls(len(snapshot["calls"]), **config)
+        sm.aligned = snapshot["aligned"]
+        sm.last_call = [snapshot["calls"][p] - 1 for p in range(sm.num_subtasks)]
+        sm.counts = {e: EpochCounts(*c) for e, c in snapshot["counts"].items()}
+        return sm
+
     # -- queries ------------------------------------------------------------------------
 
     @property
@@ -192,7 +217,7 @@ class EpochStateMachine:
 
     def validate(self) -> None:
         """Invariants that must hold between events (used by tests)."""
-        assert self.aligned <= min(self.last_call), (self.aligned, self.last_call)
+        assert self.aligned <= min(self.last_call) + 1, (self.aligned, self.last_call)
         for pid, epoch in self.pending.items():
             assert self.last_call[pid] == epoch
         if self.terminated is None and not self.failed:

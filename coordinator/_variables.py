@@ -127,6 +127,12 @@ class VariablesStore:
         self.publishes += 1
         self._payload = None
 
+    def restore(self, values: Mapping[str, Any], version: int, publishes: int) -> None:
+        """Take a checkpoint's version (the shapes were checked by its fingerprint)."""
+        self._values = normalize_variables(values, what="checkpointed variables")
+        self.version, self.publishes = version, publishes
+        self._payload = None
+
     def payload(self) -> VariablesPayload:
         """The current version's payload, built once per version."""
         if self._payload is None:

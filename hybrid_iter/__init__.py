@@ -26,7 +26,7 @@ from ._body import (
     TerminationCriteria,
 )
 from ._bulk_delta import BulkStep, DeltaStep, iterate_bulk, iterate_delta
-from ._config import IterationConfig, OperatorLifecycle
+from ._config import CheckpointConfig, FaultInjection, IterationConfig, OperatorLifecycle
 from ._errors import (
     DataValidationError,
     HybridIterError,
@@ -41,12 +41,13 @@ from ._operators import CoordinatorOperator, IterationListener, PartitionOperato
 from ._result import IterationResult
 from ._session import Session
 from ._streams import DataStream, ReplayableDataStreamList
-from ._task import PartitionCollector, PartitionContext
+from ._task import InjectedFault, PartitionCollector, PartitionContext
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BulkStep",
+    "CheckpointConfig",
     "CoordinatorCollector",
     "CoordinatorContext",
     "CoordinatorListener",
@@ -54,8 +55,10 @@ __all__ = [
     "DataStream",
     "DataValidationError",
     "DeltaStep",
+    "FaultInjection",
     "ForwardInputsOfLastRound",
     "HybridIterError",
+    "InjectedFault",
     "IterationBody",
     "IterationConfig",
     "IterationConfigError",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ._errors import IterationConfigError
 
-__all__ = ["IterationConfig", "OperatorLifecycle"]
+__all__ = ["CheckpointConfig", "FaultInjection", "IterationConfig", "OperatorLifecycle"]
 
 
 class OperatorLifecycle(str, enum.Enum):
@@ -21,6 +21,75 @@ class OperatorLifecycle(str, enum.Enum):
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_uri(field: str, uri: object) -> str:
+    if not isinstance(uri, str) or not uri:
+        raise IterationConfigError(f"{field} must be a path or a pyarrow.fs URI, got {uri!r}")
+    if "://" in uri:
+        import pyarrow.fs as pafs
+
+        try:
+            pafs.FileSystem.from_uri(uri)
+        except Exception as ex:
+            raise IterationConfigError(
+                f"{field}={uri!r} is not a URI pyarrow.fs can open ({ex}); use a local path, "
+                f"file:///..., s3://..., gs://... or hdfs://..."
+            ) from ex
+    return uri
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints of a bounded iteration (DESIGN.md section 6).
+
+    Every ``every_epochs`` global alignments the coordinator writes a consistent cut
+    (variables, epoch, its state machine, the coordinator operator, every partition
+    operator's ``snapshot_state()``) to ``path`` (a local path or any ``pyarrow.fs`` URI),
+    atomically and checksummed, keeping the newest ``keep_last``.
+    """
+
+    path: str
+    every_epochs: int = 1
+    keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        _check_uri("CheckpointConfig.path", self.path)
+        if not _is_int(self.every_epochs) or self.every_epochs < 1:
+            raise IterationConfigError(
+                f"CheckpointConfig.every_epochs must be an int >= 1, got {self.every_epochs!r}"
+            )
+        if not _is_int(self.keep_last) or self.keep_last < 1:
+            raise IterationConfigError(
+                f"CheckpointConfig.keep_last must be an int >= 1, got {self.keep_last!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultInjection:
+    """Deterministic faults for tests of recovery (never use in production).
+
+    * ``fail_partition=p, at_epoch=e, on_attempt=a``: subtask ``p`` raises
+      ``InjectedFault`` right before its watermark callback of epoch ``e``, on launch ``a``
+      of the stage (0 is the first; a retry is 1, ...).
+    * ``kill_coordinator_at=e``: the coordinator actor's process exits at the global
+      alignment ``e`` (once: not again after Ray restarts it).
+    """
+
+    fail_partition: int | None = None
+    at_epoch: int = 0
+    on_attempt: int = 0
+    kill_coordinator_at: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("at_epoch", "on_attempt"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 0:
+                raise IterationConfigError(f"FaultInjection.{name} must be an int >= 0, got {v!r}")
+        for name in ("fail_partition", "kill_coordinator_at"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 0):
+                raise IterationConfigError(f"FaultInjection.{name} must be None or an int >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +110,12 @@ class IterationConfig:
     * ``inline_variables_bytes``: variable versions up to this size travel inside the
       reply to each subtask; larger ones go through the Ray object store once per
       version and are read zero-copy.
+    * ``checkpoint``: a ``CheckpointConfig`` (None: no checkpoints).
+    * ``resume_from``: a checkpoint directory to continue from (after a driver died).
+    * ``max_restarts``: relaunches after a failure (a Spark task, the coordinator); each
+      restores the newest checkpoint (or starts over without one). ``None``: 3 with
+      checkpoints, 0 without.
+    * ``faults``: a ``FaultInjection`` for tests.
     """
 
     staleness: int | None = 0
@@ -51,6 +126,10 @@ class IterationConfig:
     progress_tag: str = "loss"
     inline_variables_bytes: int = 64 * 1024
     name: str | None = None
+    checkpoint: CheckpointConfig | None = None
+    resume_from: str | None = None
+    max_restarts: int | None = None
+    faults: FaultInjection | None = None
 
     def __post_init__(self) -> None:
         if self.staleness is not None and (not _is_int(self.staleness) or self.staleness < 0):
@@ -83,6 +162,28 @@ class IterationConfig:
             raise IterationConfigError("IterationConfig.progress_tag must be a non-empty string")
         if not _is_int(self.inline_variables_bytes) or self.inline_variables_bytes < 0:
             raise IterationConfigError("IterationConfig.inline_variables_bytes must be an int >= 0")
+        if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointConfig):
+            raise IterationConfigError(
+                f"IterationConfig.checkpoint must be a CheckpointConfig(path, ...), got "
+                f"{type(self.checkpoint).__name__}"
+            )
+        if self.resume_from is not None:
+            _check_uri("IterationConfig.resume_from", self.resume_from)
+        if self.max_restarts is not None and (
+            not _is_int(self.max_restarts) or self.max_restarts < 0
+        ):
+            raise IterationConfigError(
+                f"IterationConfig.max_restarts must be None or an int >= 0, got {self.max_restarts!r}"
+            )
+        if self.faults is not None and not isinstance(self.faults, FaultInjection):
+            raise IterationConfigError("IterationConfig.faults must be a FaultInjection")
+
+    @property
+    def restarts(self) -> int:
+        """Relaunches allowed after failures."""
+        if self.max_restarts is not None:
+            return self.max_restarts
+        return 3 if self.checkpoint is not None or self.resume_from is not None else 0
 
     @property
     def mode(self) -> str:

@@ -6,6 +6,7 @@ first; then the coordinator actor is started and one barrier stage runs all subt
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -15,17 +16,26 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from coordinator import CoordinatorSpec, IterationCoordinator, RemoteFailure, normalize_variables
+from coordinator import (
+    CheckpointSpec,
+    CheckpointStore,
+    CoordinatorSpec,
+    IterationCoordinator,
+    RemoteFailure,
+    fingerprint_mismatch,
+    normalize_variables,
+)
 from spark_ops import BarrierStage, ReplayPlan, available_task_slots, num_partitions
 
 from ._body import IterationBody
-from ._config import IterationConfig, OperatorLifecycle
+from ._config import FaultInjection, IterationConfig, OperatorLifecycle
 from ._errors import (
     DataValidationError,
     HybridIterError,
     IterationConfigError,
     IterationFailedError,
     SessionError,
+    VariablesMismatchError,
 )
 from ._progress import ProgressPrinter
 from ._ray_util import NAMESPACE
@@ -191,6 +201,7 @@ def iterate_bounded_streams_until_termination(
     )
     address = _ray_address(spark)
     per_round = config.operator_lifecycle is OperatorLifecycle.PER_ROUND
+    checkpoint = _checkpoint_spec(config, body, streams, variables, n)
 
     import ray
 
@@ -198,6 +209,7 @@ def iterate_bounded_streams_until_termination(
 
     connect(address, namespace=NAMESPACE)
     name = f"hybrid_iter.{config.name or 'iteration'}.{uuid.uuid4().hex[:12]}"
+    faults = config.faults or FaultInjection()
     spec = CoordinatorSpec(
         num_subtasks=n,
         num_streams=len(streams),
@@ -209,13 +221,9 @@ def iterate_bounded_streams_until_termination(
         main_per_round=per_round,
         inline_limit=config.inline_variables_bytes,
         progress_tag=config.progress_tag,
+        checkpoint=checkpoint,
+        kill_at_alignment=faults.kill_coordinator_at,
     )
-    # Every subtask waits in one call at a time, plus the driver's progress poll: an
-    # async actor answering more calls than max_concurrency at once would deadlock.
-    actor_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=max(1000, n + 16))(
-        IterationCoordinator
-    )
-    actor = actor_cls.options(name=name, namespace=NAMESPACE).remote(spec)
     plan = TaskPlan(
         ray_address=address,
         namespace=NAMESPACE,
@@ -228,22 +236,75 @@ def iterate_bounded_streams_until_termination(
         replayed=streams.replayed,
         main_per_round=per_round,
         per_round_operator=round_bytes,
+        fail_at=(
+            (faults.fail_partition, faults.at_epoch, faults.on_attempt)
+            if faults.fail_partition is not None
+            else None
+        ),
     )
-    monitor = _Monitor(actor, spark.sparkContext, name, config, n)
-    extra: dict[str, Any] = {}
+    # Every subtask waits in one call at a time, plus the driver's progress poll: an
+    # async actor answering more calls than max_concurrency at once would deadlock. With
+    # checkpoints Ray restarts a coordinator whose process died; it reloads the newest
+    # checkpoint and the relaunched tasks find it again by name.
+    actor_cls = ray.remote(
+        num_cpus=0,
+        max_restarts=config.restarts if checkpoint is not None else 0,
+        max_task_retries=0,
+        max_concurrency=max(1000, n + 16),
+    )(IterationCoordinator)
+    extra: dict[str, Any] = {"attempts": []}
+    attempt, actor, actor_name = 0, None, name
+    restore = config.resume_from is not None
     try:
-        if streams.any_replayed:
-            _run_rounds(monitor, plan, streams, n, extra)
-        else:
-            stage = BarrierStage(streams.dataframes, n, functools.partial(run_subtask, plan))
-            monitor.run(stage.run)
-            extra["repartitioned"] = stage.repartitioned
-        data = monitor.finish()
+        while True:
+            if actor is None:
+                actor_name = f"{name}.a{attempt}"
+                actor = actor_cls.options(name=actor_name, namespace=NAMESPACE).remote(
+                    dataclasses.replace(
+                        spec,
+                        checkpoint=checkpoint and dataclasses.replace(checkpoint, restore=restore),
+                        kill_at_alignment=spec.kill_at_alignment if attempt == 0 else None,
+                    )
+                )
+            run_plan = dataclasses.replace(
+                plan, actor_name=actor_name, attempt=attempt, restore=restore
+            )
+            _call(actor, "begin_attempt", attempt)
+            monitor = _Monitor(actor, spark.sparkContext, name, config, n)
+            try:
+                if streams.any_replayed:
+                    _run_rounds(monitor, run_plan, streams, n, extra)
+                else:
+                    stage = BarrierStage(
+                        streams.dataframes, n, functools.partial(run_subtask, run_plan)
+                    )
+                    monitor.run(stage.run)
+                    extra["repartitioned"] = stage.repartitioned
+                data = monitor.finish()
+                extra["checkpoint"] = _call(actor, "checkpoint_info")
+                break
+            except BaseException as ex:
+                if attempt >= config.restarts or not _retryable(ex):
+                    raise
+                extra["attempts"].append(
+                    f"attempt {attempt}: {type(ex).__name__}: {ex}".splitlines()[0]
+                )
+                log.warning(
+                    "hybrid_iter: attempt %d of %s failed (%s); relaunching from the newest "
+                    "checkpoint (%d restart(s) left)",
+                    attempt,
+                    name,
+                    str(ex).splitlines()[0],
+                    config.restarts - attempt,
+                )
+                attempt += 1
+                restore = checkpoint is not None
+                if not _restarted_by_ray(actor):
+                    _kill(actor, name)
+                    actor = None
     finally:
-        try:
-            ray.kill(actor)
-        except Exception as ex:  # never hide the error being raised
-            log.warning("could not kill the coordinator actor %s: %s", name, ex)
+        if actor is not None:
+            _kill(actor, name)
     times = data.alignment_times
     return IterationResult(
         variables=data.variables,
@@ -264,6 +325,126 @@ def iterate_bounded_streams_until_termination(
             "publishes": data.publishes,
             "object_store_puts": data.object_store_puts,
         },
+    )
+
+
+def _call(actor: Any, method: str, *args: Any, timeout: float = 120.0) -> Any:
+    import ray
+
+    return ray.get(getattr(actor, method).remote(*args), timeout=timeout)
+
+
+def _kill(actor: Any, name: str) -> None:
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as ex:  # never hide the error being raised
+        log.warning("could not kill the coordinator actor %s: %s", name, ex)
+
+
+def _restarted_by_ray(actor: Any) -> bool:
+    """True when Ray restarted the coordinator after its process died: it has reloaded
+    the newest checkpoint and can serve the relaunched stage."""
+    import ray
+
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            info = _call(actor, "checkpoint_info", timeout=120)
+            return bool(info["reconstructed"]) and not _call(actor, "progress").failed
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)  # Ray is restarting it: poll the restart, bounded
+        except Exception:
+            return False  # dead for good (or never restartable)
+
+
+def _retryable(ex: BaseException) -> bool:
+    """Bad input fails the same way again; anything else may be transient."""
+    if isinstance(ex, (IterationConfigError, DataValidationError, KeyboardInterrupt, SystemExit)):
+        return False
+    if isinstance(ex, IterationFailedError):
+        return not any(
+            isinstance(getattr(f, "cause", None), (VariablesMismatchError, IterationConfigError))
+            for f in ex.failures.values()
+        )
+    return True
+
+
+def _fingerprint(
+    body: IterationBody, streams: ReplayableDataStreamList, variables: Mapping[str, Any], n: int
+) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed by this iteration."""
+
+    def name(obj: Any) -> str | None:
+        return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+    return {
+        "variables": {k: (tuple(v.shape), str(v.dtype)) for k, v in sorted(variables.items())},
+        "partition_operator": name(body.partition),
+        "coordinator_operator": name(body.coordinator),
+        "listeners": [name(x) for x in body.coordinator_listeners],
+        "data_streams": len(streams),
+        "subtasks": n,
+    }
+
+
+def _checkpoint_spec(
+    config: IterationConfig,
+    body: IterationBody,
+    streams: ReplayableDataStreamList,
+    variables: Mapping[str, Any],
+    n: int,
+) -> CheckpointSpec | None:
+    """Check the checkpoint settings before any job; the actor's CheckpointSpec."""
+    ck = config.checkpoint
+    if ck is None and config.resume_from is None:
+        return None
+    if streams.any_replayed:
+        raise IterationConfigError(
+            "checkpoints and resume_from are not supported with replayed streams yet: an "
+            "iteration with replayed streams restarts from round 0; read the streams once "
+            "(not_replay) to checkpoint it"
+        )
+    if ck is not None and config.resume_from is not None and ck.path != config.resume_from:
+        raise IterationConfigError(
+            f"resume_from={config.resume_from!r} and CheckpointConfig.path={ck.path!r} differ; "
+            f"a resumed iteration continues writing checkpoints where it resumes from"
+        )
+    fingerprint = _fingerprint(body, streams, variables, n)
+    store = CheckpointStore(
+        ck.path if ck is not None else config.resume_from, keep_last=ck.keep_last if ck else 2
+    )
+    if config.resume_from is None:
+        if store.checkpoint_epochs():
+            raise IterationConfigError(
+                f"CheckpointConfig.path {ck.path!r} already holds checkpoints of a run; resume "
+                f"it with IterationConfig(resume_from={ck.path!r}) or use an empty directory "
+                f"(nothing there is overwritten)"
+            )
+    else:
+        loaded = store.load_latest()
+        if loaded is None or loaded.epoch < 0:
+            why = "; ".join(f"{p}: {w}" for p, w in (loaded.skipped if loaded else ()))
+            raise IterationConfigError(
+                f"resume_from={config.resume_from!r} holds no valid checkpoint"
+                + (f" ({why})" if why else "")
+            )
+        for path, why in loaded.skipped:
+            log.warning("hybrid_iter: skipping checkpoint %s: %s", path, why)
+        mismatch = fingerprint_mismatch(loaded.data.get("fingerprint", {}), fingerprint)
+        if mismatch:
+            raise IterationConfigError(
+                f"checkpoint {loaded.path} is of another iteration and cannot be resumed "
+                f"here: {mismatch}"
+            )
+    return CheckpointSpec(
+        uri=store.uri,
+        every_epochs=ck.every_epochs if ck is not None else 0,
+        keep_last=ck.keep_last if ck is not None else 2,
+        fingerprint=fingerprint,
     )
 
 
@@ -324,7 +505,15 @@ class _Monitor:
                 return  # the coordinator could not start: no job
             thread.start()
             while thread.is_alive():
-                p = ray.get(self.actor.wait_progress.remote(self._seen, 0.5))
+                try:
+                    p = ray.get(self.actor.wait_progress.remote(self._seen, 0.5))
+                except ray.exceptions.RayActorError as ex:
+                    # the coordinator died: tasks cannot go on; stop them, report it
+                    self.sc.cancelJobGroup(self.name)
+                    thread.join()
+                    raise IterationFailedError(
+                        f"the coordinator actor died: {str(ex).splitlines()[0]}", {}
+                    ) from ex
                 self.printer.update(p)
                 self._seen = p.aligned
                 if p.failed:

@@ -95,3 +95,11 @@ class CoordinatorOperator(IterationListener):
     def close(self) -> None:
         """Called after ``on_iteration_terminated``; a per-round coordinator operator is
         closed after the watermark callback of its round."""
+
+    def snapshot_state(self) -> Any:
+        """Optional: the operator's state for a checkpoint; without it the operator
+        object itself is pickled into the checkpoint."""
+        return None
+
+    def restore_state(self, state: Any) -> None:
+        """Optional: restore what ``snapshot_state`` returned (after ``open``)."""

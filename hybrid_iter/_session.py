@@ -132,6 +132,7 @@ class Session:
         owns_ray = not ray.is_initialized()
         if owns_ray:
             ray.init(
+                address="local",  # our own instance, even if a `ray start` cluster runs here
                 num_cpus=cores,
                 include_dashboard=False,
                 _node_ip_address="127.0.0.1",
@@ -207,6 +208,7 @@ class Session:
             if address is None or address == "local":
                 force_loopback()
                 ray.init(
+                    address="local",  # our own instance, even if a `ray start` cluster runs
                     num_cpus=max(os.cpu_count() or 1, num_executors * executor_cores),
                     include_dashboard=False,
                     _node_ip_address="127.0.0.1",

@@ -47,6 +47,13 @@ class TaskPlan:
     main_per_round: bool = False
     #: the for_each_round sub-body's partition operator (cloudpickle), if any
     per_round_operator: bytes | None = None
+    #: which launch of the stage this is (0 first; retries after failures count up)
+    attempt: int = 0
+    #: subtasks restore their checkpointed state from the coordinator
+    restore: bool = False
+    #: fault injection for tests: ``(partition, epoch, attempt)`` raises before that
+    #: partition's watermark callback of that epoch, on that attempt
+    fail_at: tuple[int, int, int] | None = None
 
 
 class PartitionContext:
@@ -99,6 +106,10 @@ class PartitionCollector:
                 "pass IterationBody(..., criteria=True)"
             )
         self._em.criteria += 1
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the fault-injection hook (``IterationConfig(faults=...)``), for tests."""
 
 
 class _Aborted(Exception):
@@ -241,9 +252,16 @@ class _Subtask:
         rows = self.rows if self.k == 0 else None
         reply = self.ask(
             self.coord.report.remote(
-                self.pid, self.k, self.ctx.variables_version, self._drain(), rows
+                self.pid, self.k, self.ctx.variables_version, self._drain(), rows, self.plan.attempt
             )
         )
+        while reply.error is None and reply.need_state:  # a checkpoint: give our state, wait
+            state = self.checkpoint_state()
+            reply = self.ask(
+                self.coord.checkpoint_state.remote(
+                    self.pid, self.k, self.ctx.variables_version, state, self.plan.attempt
+                )
+            )
         if reply.error is not None:
             raise _Aborted(f"subtask {self.pid} stopped because {reply.error}")
         self.k += 1
@@ -260,7 +278,11 @@ class _Subtask:
     # -- the protocol -----------------------------------------------------------------
 
     def start(self, inputs: Iterator[tuple[int, pa.RecordBatch]]) -> bool:
-        """Epoch-0 input (initial variables, every stream's data), then call 0."""
+        """Epoch-0 input (initial variables, every stream's data), then call 0.
+
+        After a failure (``plan.restore``) the subtask reloads its data, restores the
+        state it checkpointed and makes again the call it was held in."""
+        restored = self.ask(self.coord.restored.remote(self.pid)) if self.plan.restore else None
         self._fetch_variables()
         if not self.plan.main_per_round:
             self.all_round = self._load(self.plan.operator)
@@ -268,7 +290,26 @@ class _Subtask:
             self.call(self.all_round, "process_variables", self.variables, self.ctx, self.out)
         self._new_round_ops()
         self._consume(inputs)
+        if restored is not None:
+            call, state = restored
+            self._drain()  # records of reloading were applied before the checkpoint
+            if state is not None and self.all_round is not None:
+                import cloudpickle
+
+                self.call(self.all_round, "restore_state", cloudpickle.loads(state))
+            self.k = call
+            self.ctx.epoch = call - 1
         return self._report()
+
+    def checkpoint_state(self) -> bytes | None:
+        """The all-round operator's ``snapshot_state()`` (None when it keeps no state
+        beyond its data and the variables, which a restore rebuilds)."""
+        op = self.all_round
+        if op is None or not _defines(op, "snapshot_state"):
+            return None
+        import cloudpickle
+
+        return cloudpickle.dumps(self.call(op, "snapshot_state"))
 
     def epoch(self, inputs: Iterator[tuple[int, pa.RecordBatch]] | None = None) -> bool:
         """Run epoch ``k - 1`` (granted by the last reply): its per-round operators and
@@ -279,6 +320,12 @@ class _Subtask:
             self._new_round_ops()
         if inputs is not None:
             self._consume(inputs)
+        fault = self.plan.fail_at
+        if fault is not None and fault == (self.pid, e, self.plan.attempt):
+            self.step(f"injected fault before epoch {e}")
+            raise InjectedFault(
+                f"injected fault: partition {self.pid} at epoch {e} on attempt {self.plan.attempt}"
+            )
         if self.all_round is not None:
             self.call(self.all_round, "on_epoch_watermark_incremented", e, self.ctx, self.out)
         for op, out in self.per_round:
@@ -290,7 +337,7 @@ class _Subtask:
         """Termination: only operators still alive (the all-round one) hear of it."""
         if self.all_round is not None:
             self.call(self.all_round, "on_iteration_terminated", self.ctx, self.out)
-        self.ask(self.coord.finish.remote(self.pid, self._drain()))
+        self.ask(self.coord.finish.remote(self.pid, self._drain(), self.plan.attempt))
 
     def _close_round_ops(self) -> None:
         ops, self.per_round = self.per_round, []
@@ -362,7 +409,7 @@ def _guarded(plan: TaskPlan, pid: int, body: Any) -> bytes:
         failure = RemoteFailure.capture(ex, source=pid, epoch=sub.ctx.epoch, where=sub.label())
         if sub.coord is not None:
             try:
-                ray.get(sub.coord.fail.remote(failure), timeout=30)
+                ray.get(sub.coord.fail.remote(failure, plan.attempt), timeout=30)
             except Exception:
                 pass  # the coordinator is gone; Spark's own failure still reaches the driver
         sub.close()

@@ -36,7 +36,9 @@ def coordinator(n=3, staleness=0, max_epochs=3, op=None):
         init_variables={"total": 0.0},
         operators=cloudpickle.dumps((op or Sum(), None, [])),
     )
-    return IterationCoordinator(spec, put=None)
+    c = IterationCoordinator(spec, put=None)
+    c.begin_attempt(0)
+    return c
 
 
 def test_sync_run_applies_feedback_in_partition_order_and_orders_final_outputs():
