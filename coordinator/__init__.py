@@ -14,6 +14,7 @@ from ._actor import (
 )
 from ._checkpoint import CheckpointCorrupt, CheckpointStore, LoadedCheckpoint, fingerprint_mismatch
 from ._errors import RemoteFailure, VariablesMismatchError
+from ._online import OnlineCoordinator
 from ._protocol import Emissions, OutputRecord, Progress, Reply, ResultData
 from ._state import EpochCounts, EpochStateMachine, Release, StateMachineError, TerminationReason
 from ._variables import VariablesPayload, VariableSpec, VariablesStore, normalize_variables
@@ -30,6 +31,7 @@ __all__ = [
     "EpochStateMachine",
     "IterationCoordinator",
     "LoadedCheckpoint",
+    "OnlineCoordinator",
     "OutputRecord",
     "Progress",
     "Release",

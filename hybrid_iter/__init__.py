@@ -37,6 +37,13 @@ from ._errors import (
     VariablesMismatchError,
 )
 from ._iterate import iterate_bounded_streams_until_termination
+from ._online import (
+    EPOCH_MAX,
+    OnlineConfig,
+    OnlineIteration,
+    OnlineProgress,
+    iterate_unbounded_streams,
+)
 from ._operators import CoordinatorOperator, IterationListener, PartitionOperator
 from ._result import IterationResult
 from ._session import Session
@@ -46,6 +53,7 @@ from ._task import InjectedFault, PartitionCollector, PartitionContext
 __version__ = "0.1.0"
 
 __all__ = [
+    "EPOCH_MAX",
     "BulkStep",
     "CheckpointConfig",
     "CoordinatorCollector",
@@ -66,6 +74,9 @@ __all__ = [
     "IterationListener",
     "IterationResult",
     "NumpyCache",
+    "OnlineConfig",
+    "OnlineIteration",
+    "OnlineProgress",
     "OperatorLifecycle",
     "OutputRecord",
     "PartitionCollector",
@@ -84,4 +95,5 @@ __all__ = [
     "iterate_bounded_streams_until_termination",
     "iterate_bulk",
     "iterate_delta",
+    "iterate_unbounded_streams",
 ]

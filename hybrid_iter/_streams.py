@@ -46,9 +46,9 @@ class DataStream:
             )
             object.__setattr__(self, "numeric_columns", cols)
 
-    def validate(self, index: int) -> None:
+    def validate(self, index: int, *, streaming: bool = False) -> None:
         """Schema checks that need no Spark job."""
-        if self.df.isStreaming:
+        if self.df.isStreaming and not streaming:
             raise IterationConfigError(
                 f"data stream {index} is a streaming DataFrame, but "
                 f"iterate_bounded_streams_until_termination needs bounded data; use "

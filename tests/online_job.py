@@ -1,0 +1,41 @@
+"""An online iteration in its own process (so test_online.py can kill its driver):
+``python online_job.py INPUT_DIR CHECKPOINT_DIR [KILL_AFTER_BATCH]``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+from online_ops import SCHEMA, Grad, Step
+
+import hybrid_iter as hi
+
+
+def main(input_dir: str, checkpoint: str, kill_after: int | None) -> int:
+    with hi.Session.local(2) as session:
+        stream = (
+            session.spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).csv(input_dir)
+        )
+        it = hi.iterate_unbounded_streams(
+            {"w": np.zeros(3)},
+            hi.ReplayableDataStreamList.not_replay(stream),
+            hi.IterationBody(Grad(), Step()),
+            hi.OnlineConfig(
+                checkpoint_location=checkpoint,
+                trigger={"availableNow": True},
+                kill_driver_after_batch=kill_after,
+            ),
+        )
+        it.await_termination()
+        result = {
+            "w_hex": it.latest_variables()["w"].tobytes().hex(),
+            "batches": it.progress.batches,
+        }
+        it.stop()
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None))
