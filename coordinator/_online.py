@@ -101,7 +101,7 @@ class OnlineCoordinator(IterationCoordinator):
         new = self._outputs[self._delivered :]
         self._delivered = len(self._outputs)
         self._notify_progress()
-        return {"applied": True, "failure": None, "outputs": list(new)}
+        return {"applied": True, "failure": None, "outputs": list(new), "round": self.round}
 
     def online_state(self) -> dict[str, Any]:
         return {

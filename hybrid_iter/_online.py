@@ -173,6 +173,10 @@ class _OnlinePlan:
     operator: bytes
     staleness: int | None
     has_criteria: bool = False
+    #: rows with a null (or NaN) in these columns are malformed: not trained on
+    numeric_columns: tuple[str, ...] = ()
+    #: where malformed rows go (Parquet, one file per batch and partition); None: counted
+    dead_letter_path: str | None = None
 
 
 def _run_partition(
@@ -193,12 +197,19 @@ def _run_partition(
     out = PartitionCollector(False)
     op = cloudpickle.loads(plan.operator)
     rows = 0
+    dead: list[pa.RecordBatch] = []
     try:
         op.open(ctx)
         payload = ray.get(coord.variables.remote(-1))
         ctx.variables_version = payload.version
         op.process_variables(_resolve(payload), ctx, out)
         for batch in batches:
+            if plan.numeric_columns:
+                batch, bad = _split_malformed(batch, plan.numeric_columns)
+                if bad.num_rows:
+                    dead.append(bad)
+                if not batch.num_rows:
+                    continue
             if plan.staleness is None:  # async: the newest variables before each batch
                 newer = ray.get(coord.variables.remote(ctx.variables_version))
                 if newer is not None:
@@ -208,13 +219,47 @@ def _run_partition(
             op.process_data(0, batch, ctx, out)
         if rows:
             op.on_epoch_watermark_incremented(round_, ctx, out)
+        if dead and plan.dead_letter_path is not None:
+            _write_dead_letters(plan.dead_letter_path, batch_id, pid, dead)
         ray.get(coord.online_report.remote(batch_id, pid, out._em))
     finally:
         try:
             op.close()
         except Exception:
             pass  # close() must not hide the task's own outcome
-    yield pa.RecordBatch.from_pydict({"result": [pickle.dumps({"partition": pid, "rows": rows})]})
+    summary = {"partition": pid, "rows": rows, "dead": sum(b.num_rows for b in dead)}
+    yield pa.RecordBatch.from_pydict({"result": [pickle.dumps(summary)]})
+
+
+def _split_malformed(
+    batch: pa.RecordBatch, columns: tuple[str, ...]
+) -> tuple[pa.RecordBatch, pa.RecordBatch]:
+    """(good rows, malformed rows): a null, or a NaN in a float column, is malformed."""
+    import pyarrow.compute as pc
+
+    bad = None
+    for name in columns:
+        col = batch.column(name)
+        flag = pc.is_null(col, nan_is_null=pa.types.is_floating(col.type))
+        bad = flag if bad is None else pc.or_(bad, flag)
+    if bad is None or not pc.any(bad).as_py():
+        return batch, batch.slice(0, 0)
+    return batch.filter(pc.invert(bad)), batch.filter(bad)
+
+
+def _write_dead_letters(path: str, batch_id: int, pid: int, batches: list[pa.RecordBatch]) -> None:
+    """Malformed rows of one batch and partition as Parquet (a replay rewrites the file)."""
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+
+    fs, base = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), path)
+    directory = f"{base.rstrip('/')}/batch_id={batch_id}"
+    fs.create_dir(directory, recursive=True)
+    final = f"{directory}/part-{pid:05d}.parquet"
+    tmp = f"{directory}/.part-{pid:05d}.tmp-{uuid.uuid4().hex}"
+    with fs.open_output_stream(tmp) as f:
+        pq.write_table(pa.Table.from_batches(batches), f)
+    fs.move(tmp, final)
 
 
 class OnlineIteration:
@@ -298,21 +343,6 @@ class OnlineIteration:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _bad_rows_condition(df: Any, columns: tuple[str, ...]) -> Any:
-    """True for a row with a null, or a NaN in a float column, among ``columns``."""
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import DoubleType, FloatType
-
-    types = {f.name: f.dataType for f in df.schema.fields}
-    cond = None
-    for c in columns:
-        bad = F.col(c).isNull()
-        if isinstance(types[c], (DoubleType, FloatType)):
-            bad = bad | F.isnan(F.col(c))
-        cond = bad if cond is None else (cond | bad)
-    return F.coalesce(cond, F.lit(True))
 
 
 def _write_outputs(path: str, batch_id: int, records: list[OutputRecord]) -> None:
@@ -419,12 +449,15 @@ def iterate_unbounded_streams(
             f"the online coordinator could not start: {failure}"
         ) from failure
     resumed = state["committed"] >= 0
+    where = {"committed": state["committed"], "round": state["round"]}  # of the last commit
     plan = _OnlinePlan(
         ray_address=address,
         namespace=NAMESPACE,
         actor_name=name,
         operator=dumps(body.partition, f"the partition operator {type(body.partition).__name__}"),
         staleness=cfg.staleness,
+        numeric_columns=tuple(stream.numeric_columns or ()),
+        dead_letter_path=dead_letter_path,
     )
     buffer: deque = deque(maxlen=10_000)
     from ._progress import ProgressPrinter
@@ -437,40 +470,32 @@ def iterate_unbounded_streams(
             _one_batch(batch_df, int(batch_id))
 
     def _one_batch(batch_df: Any, batch_id: int) -> None:
-        current = ray.get(actor.online_state.remote())
-        if batch_id <= current["committed"]:
+        if batch_id <= where["committed"]:
             return  # Spark replays a batch whose update is already applied: exactly once
         started = time.perf_counter()
-        frame = batch_df.persist()
-        try:
-            dead = 0
-            good = frame
-            if stream.numeric_columns:
-                bad_cond = _bad_rows_condition(frame, stream.numeric_columns)
-                bad = frame.where(bad_cond)
-                good = frame.where(~bad_cond)
-                dead = bad.count()
-                if dead and dead_letter_path is not None:
-                    bad.write.mode("overwrite").json(
-                        f"{dead_letter_path.rstrip('/')}/batch_id={batch_id}"
-                    )
-            if cfg.parallelism is not None:
-                good = good.repartition(cfg.parallelism)
-            fn = _partial_run(plan, batch_id, current["round"])
-            results = [pickle.loads(r[0]) for r in good.mapInArrow(fn, "result binary").collect()]
-            rows = sum(r["rows"] for r in results)
-            commit = ray.get(actor.commit_batch.remote(batch_id, rows, dead))
-            if commit["failure"] is not None:
-                failure = commit["failure"]
-                raise IterationFailedError(
-                    f"the online iteration failed: {failure}", {failure.source: failure}
-                ) from failure
-            records = commit["outputs"]
-            buffer.extend(records)
-            if records and cfg.output_path is not None:
-                _write_outputs(cfg.output_path, batch_id, records)
-            if records and cfg.on_outputs is not None:
-                cfg.on_outputs(batch_id, records)
+        frame = batch_df
+        if cfg.parallelism is not None:
+            frame = frame.repartition(cfg.parallelism)
+        # one pass: the tasks split off malformed rows, train on the rest, and report
+        fn = _partial_run(plan, batch_id, where["round"])
+        results = [pickle.loads(r[0]) for r in frame.mapInArrow(fn, "result binary").collect()]
+        rows = sum(r["rows"] for r in results)
+        dead = sum(r["dead"] for r in results)
+        commit = ray.get(actor.commit_batch.remote(batch_id, rows, dead))
+        if commit["failure"] is not None:
+            failure = commit["failure"]
+            raise IterationFailedError(
+                f"the online iteration failed: {failure}", {failure.source: failure}
+            ) from failure
+        if commit["applied"]:
+            where["committed"], where["round"] = batch_id, commit["round"]
+        records = commit["outputs"]
+        buffer.extend(records)
+        if records and cfg.output_path is not None:
+            _write_outputs(cfg.output_path, batch_id, records)
+        if records and cfg.on_outputs is not None:
+            cfg.on_outputs(batch_id, records)
+        if printer.enabled:
             s = ray.get(actor.online_state.remote())
             printer.update(
                 Progress(
@@ -483,10 +508,8 @@ def iterate_unbounded_streams(
                     failed=False,
                 )
             )
-            if cfg.kill_driver_after_batch == batch_id and not resumed:
-                os._exit(17)  # fault injection: after our commit, before Spark's
-        finally:
-            frame.unpersist()
+        if cfg.kill_driver_after_batch == batch_id and not resumed:
+            os._exit(17)  # fault injection: after our commit, before Spark's
 
     writer = df.writeStream.foreachBatch(on_batch).queryName(name.replace(".", "_"))
     if cfg.checkpoint_location is not None:

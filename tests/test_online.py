@@ -102,13 +102,17 @@ def test_a_driver_killed_between_our_commit_and_sparks_replays_the_batch_once(tm
 def test_malformed_records_go_to_the_dead_letter_path(spark, tmp_path):
     data, dead = tmp_path / "in", tmp_path / "dead"
     data.mkdir()
-    bad = "abc,1,2,3\nnan,1,2,3\n1,2,3\n4,5,,6\n"  # wrong type, NaN, missing column, null
+    bad = "abc,1,2,3\nNaN,1,2,3\n1,2,3\n4,5,,6\n"  # wrong type, NaN, missing column, null
     batches = [write_file(data, i, extra_lines=bad if i == 1 else "") for i in range(3)]
     w, progress, _ = run_to_end(spark, data, dead_letter_path=str(dead))
     assert progress.dead_letters == 4 and progress.rows == 600
     np.testing.assert_allclose(w, reference(batches), rtol=0, atol=1e-12)  # not poisoned
-    lines = [x for f in (dead / "batch_id=1").glob("*.json") for x in f.read_text().splitlines()]
-    assert len(lines) == 4
+    import pyarrow.parquet as pq
+
+    dead_rows = pq.read_table(dead / "batch_id=1").to_pylist()
+    assert len(dead_rows) == 4
+    assert sum(1 for r in dead_rows if r["x0"] is None) == 1  # "abc" did not parse
+    assert not list(dead.glob("batch_id=0"))  # clean batches write nothing
 
 
 def test_outputs_reach_the_sinks(spark, tmp_path):

@@ -1,0 +1,229 @@
+"""Issue 4 benchmark: sustained rows/s of online logistic regression, and file-to-model latency.
+
+    python benchmarks/bench_online.py
+    python benchmarks/bench_online.py --batch-rows 10000 100000 --total-rows 400000   # quicker
+
+50 features, 2 partitions. For each micro-batch size (one Parquet file per micro-batch,
+``maxFilesPerTrigger=1``, ``availableNow``):
+
+* ``ours``: ``iterate_unbounded_streams`` in sync mode (every micro-batch: fresh partition
+  operators compute the gradient, the coordinator applies it and publishes the weights).
+* ``foreachbatch``: the same per-batch update written by hand: ``foreachBatch`` runs a
+  ``mapInArrow`` that computes each partition's gradient with the weights shipped in the
+  closure, collects the gradients to the driver and steps there.
+
+Rows/s = rows / wall time of the whole query (median of alternating repeats, after a
+warm-up of both). Then the latency from a file landing in
+the directory to the model version that includes it (ours, processingTime trigger),
+median of several files. Writes JSON to benchmarks/results/online.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import hybrid_iter as hi
+
+HERE = Path(__file__).resolve().parent
+D = 50
+COLS = [f"x{j}" for j in range(D)]
+SCHEMA = ", ".join(f"{c} double" for c in COLS) + ", label double"
+LR = 1.0
+
+
+def write_files(directory: Path, rows: int, files: int, seed: int = 0, start: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    w_true = rng.normal(0, 2 / math.sqrt(D), D)
+    for i in range(start, start + files):
+        X = rng.standard_normal((rows, D))
+        y = (rng.random(rows) < 1 / (1 + np.exp(-(X @ w_true)))).astype(float)
+        tmp = directory / f".f{i:06d}.tmp"
+        pq.write_table(pa.table({**{c: X[:, j] for j, c in enumerate(COLS)}, "label": y}), tmp)
+        os.utime(tmp, (1_700_000_000 + i, 1_700_000_000 + i))
+        tmp.rename(directory / f"f{i:06d}.parquet")
+
+
+class Grad(hi.PartitionOperator):
+    def open(self, ctx):
+        self.cache = hi.NumpyCache(COLS, extra=["label"])
+
+    def process_data(self, stream, batch, ctx, out):
+        self.cache.add(batch)
+
+    def process_variables(self, variables, ctx, out):
+        self.w = variables["w"]
+
+    def on_epoch_watermark_incremented(self, epoch, ctx, out):
+        X, y = self.cache.matrix(), self.cache.column("label")
+        p = 1 / (1 + np.exp(-(X @ self.w)))
+        out.feedback((X.T @ (p - y), len(y)))
+
+
+class Step(hi.CoordinatorOperator):
+    def open(self, init_variables, ctx):
+        self.w = np.array(init_variables["w"])
+        self.acc = None
+
+    def process_feedback(self, value, ctx, out):
+        self.acc = value if self.acc is None else (self.acc[0] + value[0], self.acc[1] + value[1])
+
+    def on_epoch_watermark_incremented(self, epoch, ctx, out):
+        if self.acc is not None:
+            g, n = self.acc
+            self.acc = None
+            self.w = self.w - LR * g / n
+            out.publish_variables(w=self.w)
+
+
+def ours(spark, directory: Path, parallelism: int) -> tuple[float, np.ndarray]:
+    stream = spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).parquet(str(directory))
+    t = time.perf_counter()
+    with hi.iterate_unbounded_streams(
+        {"w": np.zeros(D)},
+        hi.ReplayableDataStreamList.not_replay(stream),
+        hi.IterationBody(Grad(), Step()),
+        hi.OnlineConfig(trigger={"availableNow": True}, parallelism=parallelism),
+    ) as it:
+        it.await_termination()
+        seconds = time.perf_counter() - t
+        return seconds, it.latest_variables()["w"]
+
+
+def by_hand(spark, directory: Path, parallelism: int) -> tuple[float, np.ndarray]:
+    state = {"w": np.zeros(D)}
+
+    def step(batch_df, batch_id):
+        w = state["w"]
+
+        def grad(batches):
+            g, n = np.zeros(D), 0
+            for b in batches:
+                X = np.column_stack([b.column(c).to_numpy() for c in COLS])
+                y = b.column("label").to_numpy()
+                g += X.T @ (1 / (1 + np.exp(-(X @ w))) - y)
+                n += len(y)
+            yield pa.RecordBatch.from_pydict({"g": [g.tobytes()], "n": [n]})
+
+        rows = batch_df.repartition(parallelism).mapInArrow(grad, "g binary, n long").collect()
+        g = sum(np.frombuffer(r.g) for r in rows)
+        n = sum(r.n for r in rows)
+        if n:
+            state["w"] = w - LR * g / n
+
+    stream = spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).parquet(str(directory))
+    t = time.perf_counter()
+    query = stream.writeStream.foreachBatch(step).trigger(availableNow=True).start()
+    query.awaitTermination()
+    return time.perf_counter() - t, state["w"]
+
+
+def latency(spark, directory: Path, samples: int) -> list[float]:
+    """File landing -> the model version that includes it (ours, processingTime trigger)."""
+    write_files(directory, 10_000, 1, seed=5)
+    stream = spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).parquet(str(directory))
+    out = []
+    with hi.iterate_unbounded_streams(
+        {"w": np.zeros(D)},
+        hi.ReplayableDataStreamList.not_replay(stream),
+        hi.IterationBody(Grad(), Step()),
+        hi.OnlineConfig(trigger={"processingTime": "100 milliseconds"}),
+    ) as it:
+        while it.progress.batches < 1:
+            time.sleep(0.05)
+        for i in range(samples):
+            before = it.progress.version
+            landed = time.perf_counter()
+            write_files(directory, 10_000, 1, seed=6 + i, start=1 + i)
+            while it.progress.version == before:
+                time.sleep(0.01)  # the benchmark's own clock: poll the model version
+            out.append(time.perf_counter() - landed)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-rows", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    ap.add_argument("--total-rows", type=int, default=2_000_000)
+    ap.add_argument("--partitions", type=int, default=2)
+    ap.add_argument("--latency-samples", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(HERE / "results" / "online.json"))
+    args = ap.parse_args()
+    report: dict = {
+        "benchmark": "online logistic regression (issue 4)",
+        "features": D,
+        "partitions": args.partitions,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "batch_sizes": {},
+    }
+    root = Path(tempfile.mkdtemp(prefix="bench_online_"))
+    with hi.Session.local(parallelism=args.partitions, driver_memory="4g") as session:
+        warm = root / "warmup"  # JIT, Python workers, query planning: before any timing
+        warm.mkdir()
+        write_files(warm, 1000, 3)
+        ours(session.spark, warm, args.partitions)
+        by_hand(session.spark, warm, args.partitions)
+        for rows in args.batch_rows:
+            files = max(2, args.total_rows // rows)
+            data = root / f"b{rows}"
+            data.mkdir()
+            write_files(data, rows, files)
+            runs_ours, runs_hand = [], []
+            for r in range(args.repeats):  # alternate the order: no side runs warmer
+                if r % 2 == 0:
+                    t_ours, w_ours = ours(session.spark, data, args.partitions)
+                    t_hand, w_hand = by_hand(session.spark, data, args.partitions)
+                else:
+                    t_hand, w_hand = by_hand(session.spark, data, args.partitions)
+                    t_ours, w_ours = ours(session.spark, data, args.partitions)
+                runs_ours.append(t_ours)
+                runs_hand.append(t_hand)
+            t_ours, t_hand = statistics.median(runs_ours), statistics.median(runs_hand)
+            same = float(np.max(np.abs(w_ours - w_hand)))
+            total = rows * files
+            entry = {
+                "files": files,
+                "rows": total,
+                "ours_rows_per_s": total / t_ours,
+                "foreachbatch_rows_per_s": total / t_hand,
+                "ratio_ours_over_foreachbatch": t_hand / t_ours,
+                "max_abs_diff_w": same,
+                "runs": {"ours": runs_ours, "foreachbatch": runs_hand},
+            }
+            report["batch_sizes"][str(rows)] = entry
+            print(
+                f"{rows:>9,} rows/batch x {files}: ours {entry['ours_rows_per_s']:,.0f} rows/s, "
+                f"foreachBatch by hand {entry['foreachbatch_rows_per_s']:,.0f} rows/s "
+                f"({entry['ratio_ours_over_foreachbatch']:.2f}x); same model to {same:.1e}",
+                flush=True,
+            )
+            shutil.rmtree(data)
+        lat_dir = root / "latency"
+        lat_dir.mkdir()
+        lat = latency(session.spark, lat_dir, args.latency_samples)
+        report["latency_s"] = {"median": statistics.median(lat), "samples": lat}
+        print(
+            f"file landing -> model version: median {statistics.median(lat):.2f} s ({[round(x, 2) for x in lat]})"
+        )
+    shutil.rmtree(root, ignore_errors=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
