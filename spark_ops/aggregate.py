@@ -49,8 +49,38 @@ class AggregateFunction(ABC, Generic[IN, ACC, OUT]):
         """True when the class overrides ``merge``."""
         return type(self).merge is not AggregateFunction.merge
 
+    def add_batch(self, values: Any, accumulator: ACC) -> ACC:
+        """Fold many inputs into ``accumulator`` at once; return the accumulator.
+
+        ``values`` is a numpy array (one input column) or a tuple of numpy arrays (several
+        columns, one row per index). Override it with numpy code to vectorize an aggregate:
+        operators that group rows (``local_key_by``) then make one call per key and batch
+        instead of one ``add`` per row. The default calls ``add`` for each row, with Python
+        scalars (or tuples of them).
+        """
+        if isinstance(values, tuple):
+            rows: Any = zip(*(_as_list(c) for c in values))
+        else:
+            rows = _as_list(values)
+        for value in rows:
+            accumulator = self.add(value, accumulator)
+        return accumulator
+
+    def is_vectorized(self) -> bool:
+        """True when the class overrides ``add_batch``."""
+        return type(self).add_batch is not AggregateFunction.add_batch
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def _as_list(values: Any) -> list:
+    """Python scalars of an array-like (numpy's ``tolist`` converts in C)."""
+    for name in ("tolist", "to_pylist"):  # numpy / pyarrow
+        method = getattr(values, name, None)
+        if method is not None:
+            return method()
+    return list(values)
 
 
 def _check_aggregate(agg: Any, what: str) -> AggregateFunction:
