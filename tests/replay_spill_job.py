@@ -45,7 +45,9 @@ def main() -> int:
         df = session.spark.range(rows, numPartitions=4).selectExpr(
             *[f"rand({j}) as c{j}" for j in range(cols)]
         )
-        expected = float(df.selectExpr(f"sum({' + '.join(f'c{j}' for j in range(cols))})").first()[0])
+        expected = float(
+            df.selectExpr(f"sum({' + '.join(f'c{j}' for j in range(cols))})").first()[0]
+        )
         result = hi.iterate_bounded_streams_until_termination(
             {"round": 0},
             hi.ReplayableDataStreamList.replay(df),
