@@ -366,6 +366,8 @@ class IterationCoordinator:
             terminated_by=str(self.sm.terminated) if self.sm.terminated else None,
             done=self._is_done(),
             failed=bool(self._failures),
+            subtask_epochs=tuple(max(c, 0) for c in self.sm.last_call),
+            rows=sum(self._rows),
         )
 
     def result(self) -> ResultData:

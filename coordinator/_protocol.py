@@ -63,6 +63,11 @@ class Progress:
     terminated_by: str | None
     done: bool
     failed: bool
+    #: epochs each subtask has finished (async/SSP: they differ; the slowest is the
+    #: straggler)
+    subtask_epochs: tuple[int, ...] = ()
+    #: rows every data stream loaded, in total (once loaded)
+    rows: int = 0
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ is the coordinator and parameter server. See DESIGN.md.
 from coordinator import CoordinatorCollector, CoordinatorContext, OutputRecord, TerminationReason
 from spark_ops import NumpyCache
 
+from . import ml, ps
 from ._body import (
     CoordinatorListener,
     ForwardInputsOfLastRound,
@@ -96,4 +97,6 @@ __all__ = [
     "iterate_bulk",
     "iterate_delta",
     "iterate_unbounded_streams",
+    "ml",
+    "ps",
 ]

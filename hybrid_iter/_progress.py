@@ -1,4 +1,5 @@
-"""A live progress line on the driver: epoch, loss, seconds per epoch."""
+"""A live progress line on the driver: epoch, loss, seconds per epoch, rows per second
+and, when subtasks run apart (async, bounded staleness), the slowest and fastest."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class ProgressPrinter:
         self.label = label
         self._start = time.perf_counter()
         self._last_print = 0.0
-        self._last_epoch = -1
+        self._last_key: tuple[int, tuple[int, ...]] | None = None
         self._width = 0
 
     @staticmethod
@@ -32,22 +33,40 @@ class ProgressPrinter:
         except (TypeError, ValueError):
             return "-"
 
+    @staticmethod
+    def _fmt_rate(rows_per_second: float) -> str:
+        for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+            if rows_per_second >= scale:
+                return f"{rows_per_second / scale:.1f}{unit} rows/s"
+        return f"{rows_per_second:.0f} rows/s"
+
     def _line(self, p: Progress) -> str:
         spe = (
             f"{p.last_epoch_seconds * 1000:.1f} ms/epoch" if p.last_epoch_seconds else "- ms/epoch"
         )
-        return (
-            f"[{self.label}] epoch {p.epochs:>5}  loss {self._fmt_loss(p.loss):>12}  {spe:>16}  "
-            f"elapsed {time.perf_counter() - self._start:6.1f}s"
-        )
+        line = f"[{self.label}] epoch {p.epochs:>5}  loss {self._fmt_loss(p.loss):>12}  {spe:>16}"
+        if p.rows and p.last_epoch_seconds:
+            # rows of one pass over the data per second of the last global epoch
+            line += f"  {self._fmt_rate(p.rows / p.last_epoch_seconds):>14}"
+        subtasks = p.subtask_epochs
+        if subtasks and max(subtasks) != min(subtasks):
+            slow = subtasks.index(min(subtasks))
+            fast = subtasks.index(max(subtasks))
+            line += (
+                f"  subtask epochs {min(subtasks)}..{max(subtasks)} "
+                f"(slowest p{slow}, fastest p{fast})"
+            )
+        return line + f"  elapsed {time.perf_counter() - self._start:6.1f}s"
 
     def update(self, p: Progress, *, final: bool = False) -> None:
-        if not self.enabled or (p.epochs == self._last_epoch and not final):
+        # async: the subtasks' own epochs move between global alignments
+        key = (p.epochs, p.subtask_epochs)
+        if not self.enabled or (key == self._last_key and not final):
             return
         now = time.perf_counter()
         if not final and not self.tty and now - self._last_print < 1.0:
             return
-        self._last_epoch = p.epochs
+        self._last_key = key
         self._last_print = now
         line = self._line(p)
         if final:

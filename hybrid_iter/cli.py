@@ -1,6 +1,7 @@
 """The ``hybrid-iter`` command (runs on the driver).
 
     hybrid-iter run MODULE:FUNCTION [options]   # FUNCTION(session, **params) in a Session
+    hybrid-iter bench [--quick] [--only NAMES]  # the benchmark suite (a source checkout)
     hybrid-iter version [--json]                # versions of the stack, Java included
 
 ``run`` takes each option from its flag or, when the flag is absent, from its
@@ -19,6 +20,7 @@ then the default::
     --conf KEY=VALUE ...       HYBRID_ITER_SPARK_CONF             Spark properties
     --param NAME=VALUE ...     HYBRID_ITER_PARAMS                 FUNCTION's keyword arguments
     --output PATH              HYBRID_ITER_OUTPUT                 also write the result there
+    --plot PATH                HYBRID_ITER_PLOT                   PNG of the returned run(s)' loss
     --log-level LEVEL          HYBRID_ITER_LOG_LEVEL              WARNING
 
 ``HYBRID_ITER_SPARK_CONF`` and ``HYBRID_ITER_PARAMS`` hold a JSON object or
@@ -28,6 +30,14 @@ string. Everything (values, the target's import, its parameter names) is checked
 Spark or Ray starts (``--dry-run`` stops there and prints the options). ``run`` then opens the session, calls the function, prints one line
 ``hybrid-iter result: {json}`` and stops what the session started, also on SIGTERM (a
 pod being deleted). The current directory is importable, as with ``python -m``.
+
+``--plot`` draws the loss per epoch and per second of what the function returned: an
+``IterationResult``, a ``hybrid_iter.ml`` model, a ``ps.TrainResult``, or a dict or list of
+them (on the same axes, e.g. ``{"sync": ..., "async": ...}``).
+
+``bench`` runs ``python -m benchmarks`` of the source checkout in the current directory
+(the benchmarks are not installed with the package): every ``benchmarks/bench_*.py`` of
+the suite, then ``benchmarks/results/suite.json`` and ``suite.png``.
 
 Exit status: 0 done, 1 the session or the function failed, 2 bad arguments.
 """
@@ -101,6 +111,7 @@ class RunOptions:
     spark_conf: Mapping[str, str] = field(default_factory=dict)
     params: Mapping[str, Any] = field(default_factory=dict)
     output: str | None = None
+    plot: str | None = None
     log_level: str = "WARNING"
 
 
@@ -294,6 +305,13 @@ _OPTIONS = (
     _Option("app_name", "--app-name", _non_empty, "Spark application name", metavar="NAME"),
     _Option("output", "--output", _output_path, "also write the result JSON here", metavar="PATH"),
     _Option(
+        "plot",
+        "--plot",
+        _output_path,
+        "write a PNG of the loss per epoch and per second of the returned run(s)",
+        metavar="PATH",
+    ),
+    _Option(
         "log_level", "--log-level", _log_level, "DEBUG, INFO, WARNING or ERROR", metavar="LEVEL"
     ),
 )
@@ -341,6 +359,22 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="check everything and print the resolved options as JSON; start nothing",
     )
+
+    bench = commands.add_parser(
+        "bench",
+        help="run the benchmark suite of a source checkout (python -m benchmarks)",
+        description=(
+            "Run the benchmark suite (benchmarks/ of the source checkout in the current "
+            "directory); writes benchmarks/results/*.json and a PNG summary."
+        ),
+    )
+    bench.add_argument(
+        "--quick", action="store_true", help="reduced sizes (minutes, for a noisy machine)"
+    )
+    bench.add_argument(
+        "--only", metavar="NAMES", help="comma-separated subset of the suite, e.g. ml,ps"
+    )
+    bench.add_argument("--dry-run", action="store_true", help="print the commands; run nothing")
 
     version = commands.add_parser("version", help="print the versions of the stack")
     version.add_argument("--json", action="store_true", help="as one JSON object")
@@ -467,6 +501,46 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def _plottable(value: Any) -> dict[str, Any]:
+    """The training runs in what an entry function returned, by label."""
+    from ._result import IterationResult
+
+    def run_of(v: Any) -> IterationResult | None:
+        if isinstance(v, IterationResult):
+            return v
+        inner = getattr(v, "result", None)  # hybrid_iter.ml models, ps.TrainResult
+        return inner if isinstance(inner, IterationResult) else None
+
+    single = run_of(value)
+    if single is not None:
+        return {single.mode: single}
+    if isinstance(value, Mapping):
+        pairs = [(str(k), run_of(v)) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        pairs = [(f"{r.mode} {i}", r) for i, r in enumerate(map(run_of, value)) if r is not None]
+    else:
+        pairs = []
+    return {k: r for k, r in pairs if r is not None}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """``python -m benchmarks`` of the checkout in the current directory."""
+    root = Path.cwd()
+    if not (root / "benchmarks" / "__main__.py").is_file():
+        raise CliError(
+            f"hybrid-iter bench runs the benchmarks/ directory of a source checkout, and "
+            f"{str(root)!r} has none; run it from the repository root"
+        )
+    argv = [sys.executable, "-m", "benchmarks"]
+    if args.quick:
+        argv.append("--quick")
+    if args.only:
+        argv += ["--only", args.only]
+    if args.dry_run:
+        argv.append("--dry-run")
+    return subprocess.run(argv, cwd=root, check=False).returncode
+
+
 def _raise_on_sigterm(signum: int, frame: Any) -> None:
     # Unwinds through the session's ``with`` block, which stops Spark and Ray.
     raise SystemExit(128 + signum)
@@ -515,6 +589,17 @@ def _run(options: RunOptions, *, dry_run: bool) -> int:
             "seconds": round(time.perf_counter() - started, 3),
             "result": _jsonable(value),
         }
+        if options.plot is not None:
+            runs = _plottable(value)
+            if not runs:
+                print(
+                    f"hybrid-iter: --plot: {options.target} returned no IterationResult, "
+                    f"model or ps.TrainResult to plot (got {type(value).__name__})",
+                    file=sys.stderr,
+                )
+                return 1
+            (label, first), *rest = runs.items()
+            payload["plot"] = str(first.plot(options.plot, compare=dict(rest), label=label))
         text = json.dumps(payload, sort_keys=True)
         print(RESULT_PREFIX + text, flush=True)
         if options.output is not None:
@@ -566,6 +651,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         print(json.dumps(found) if args.json else "\n".join(f"{k} {v}" for k, v in found.items()))
         return 0
     try:
+        if args.command == "bench":
+            return _bench(args)
         options = resolve_run_options(args, os.environ if environ is None else environ)
         return _run(options, dry_run=args.dry_run)
     except CliError as ex:

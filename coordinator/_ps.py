@@ -1,0 +1,301 @@
+"""Parameter-server shards: one key range of a flat parameter vector and its update rule.
+
+Written as a plain class; ``hybrid_iter.ps`` makes it an async Ray actor
+(``ray.remote(num_cpus=0)``) where it launches it, one per shard. Spark tasks call the
+shards directly (not through the iteration's coordinator, which keeps only the epoch
+accounting, the losses, termination and bounded-staleness gating).
+
+Protocol of a worker (one subtask) in epoch ``e``, steps ``s = 0 .. S_p - 1``:
+``pull(e, 0)``, then per step ``push(pid, e, s, grad, rows, last=(s == S_p - 1),
+pull_next=not last)``, whose reply is the parameters for step ``s + 1``. A worker with no
+step in an epoch (no rows) sends ``push(pid, e, 0, None, 0, last=True)``.
+
+* **sync**: step ``(e, s)`` is applied once every worker that takes part in it has
+  pushed (a worker whose epoch has fewer steps is done once it pushed ``last``), with the
+  workers' mean gradients weighted by their rows and summed in worker order, so results
+  are deterministic; ``pull(e, s)`` waits for exactly the parameters before step
+  ``(e, s)``. Epoch ``e`` ends when every worker's last step is applied.
+* **async**: every push is applied on arrival (the worker's own mean gradient); a pull
+  returns the newest parameters.
+
+Each version is materialised at most once for the workers: inline in the reply when
+small, else put once into the object store (``put``) and read zero-copy by every task
+on the node. Gradients arrive dense (an array of the shard's length) or sparse
+(``(indices, values)`` with sorted, unique indices local to the shard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["AdamRule", "ParameterShard", "SGDRule", "ShardSpec", "make_rule"]
+
+#: Parameter slices up to this many bytes travel inside the reply.
+INLINE_LIMIT = 64 * 1024
+
+
+class SGDRule:
+    """``w -= lr * g`` (with ``momentum``: ``v = momentum * v + g; w -= lr * v``).
+
+    Sparse updates touch only the given keys (their momentum too: "lazy" momentum)."""
+
+    def __init__(self, size: int, dtype: np.dtype, *, learning_rate: float, momentum: float = 0.0):
+        self.lr = learning_rate
+        self.momentum = momentum
+        self.v = np.zeros(size, dtype=dtype) if momentum else None
+
+    def dense(self, w: np.ndarray, g: np.ndarray) -> None:
+        if self.v is not None:
+            self.v *= self.momentum
+            self.v += g
+            g = self.v
+        w -= self.lr * g
+
+    def sparse(self, w: np.ndarray, idx: np.ndarray, vals: np.ndarray) -> None:
+        if self.v is not None:
+            v = self.momentum * self.v[idx] + vals
+            self.v[idx] = v
+            vals = v
+        w[idx] -= self.lr * vals
+
+    def state(self) -> dict[str, Any]:
+        return {"v": self.v}
+
+
+class AdamRule:
+    """Adam (Kingma & Ba) with bias correction; sparse updates are "lazy" (only the given
+    keys' moments move), the step count is the shard's number of updates."""
+
+    def __init__(
+        self,
+        size: int,
+        dtype: np.dtype,
+        *,
+        learning_rate: float,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        epsilon: float = 1e-8,
+    ):
+        self.lr, self.b1, self.b2, self.eps = learning_rate, beta1, beta2, epsilon
+        self.m = np.zeros(size, dtype=dtype)
+        self.v = np.zeros(size, dtype=dtype)
+        self.t = 0
+
+    def _scale(self) -> float:
+        self.t += 1
+        return self.lr * np.sqrt(1 - self.b2**self.t) / (1 - self.b1**self.t)
+
+    def dense(self, w: np.ndarray, g: np.ndarray) -> None:
+        a = self._scale()
+        self.m *= self.b1
+        self.m += (1 - self.b1) * g
+        self.v *= self.b2
+        self.v += (1 - self.b2) * (g * g)
+        w -= a * self.m / (np.sqrt(self.v) + self.eps)
+
+    def sparse(self, w: np.ndarray, idx: np.ndarray, vals: np.ndarray) -> None:
+        a = self._scale()
+        m = self.b1 * self.m[idx] + (1 - self.b1) * vals
+        v = self.b2 * self.v[idx] + (1 - self.b2) * (vals * vals)
+        self.m[idx], self.v[idx] = m, v
+        w[idx] -= a * m / (np.sqrt(v) + self.eps)
+
+    def state(self) -> dict[str, Any]:
+        return {"m": self.m, "v": self.v, "t": self.t}
+
+
+_RULES: dict[str, type] = {"sgd": SGDRule, "adam": AdamRule}
+
+
+def make_rule(name: str, params: Mapping[str, float], size: int, dtype: np.dtype) -> Any:
+    """The update rule ``name`` for a shard of ``size`` parameters."""
+    try:
+        klass = _RULES[name]
+    except KeyError:
+        raise ValueError(f"unknown update rule {name!r}; known: {sorted(_RULES)}") from None
+    return klass(size, dtype, **dict(params))
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What one shard needs: its key range, initial values, update rule, worker count."""
+
+    shard_id: int
+    lo: int
+    hi: int
+    init: np.ndarray
+    rule: str
+    rule_params: Mapping[str, float]
+    num_workers: int
+    sync: bool
+    inline_limit: int = INLINE_LIMIT
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+class ParameterShard:
+    """One shard of the parameter server. All public methods are called through Ray."""
+
+    def __init__(self, spec: ShardSpec, put: Callable[[Any], Any] | None = None) -> None:
+        if put is None:
+            try:
+                import ray
+
+                put = ray.put if ray.is_initialized() else None
+            except ImportError:  # pragma: no cover - ray is a dependency
+                put = None
+        self.spec = spec
+        self._put = put
+        self.w = np.array(spec.init, copy=True)
+        if self.w.shape != (spec.hi - spec.lo,):
+            raise ValueError(
+                f"shard {spec.shard_id}: {self.w.shape} initial values for keys "
+                f"[{spec.lo}, {spec.hi})"
+            )
+        self.rule = make_rule(spec.rule, spec.rule_params, len(self.w), self.w.dtype)
+        self.version = 0
+        self._payload: tuple[int, Any] | None = None
+        # sync bookkeeping: the next step to apply, pushes per step, last steps per epoch
+        self.epoch = 0
+        self.step = 0
+        self._pushes: dict[tuple[int, int], dict[int, tuple[Any, float]]] = {}
+        self._steps: dict[int, dict[int, int]] = {}
+        self._waiters: list[tuple[tuple[int, int], asyncio.Future[None]]] = []
+        self.stats = {"pushes": 0, "updates": 0, "pulls": 0, "puts": 0, "apply_seconds": 0.0}
+
+    # -- calls from workers ---------------------------------------------------------------
+
+    async def pull(self, epoch: int, step: int) -> tuple[int, np.ndarray | None, Any]:
+        """``(version, inline values or None, object ref or None)``; sync: the parameters
+        before step ``(epoch, step)``, async: the newest."""
+        if self.spec.sync:
+            await self._ready(epoch, step)
+        self.stats["pulls"] += 1
+        return self._current()
+
+    async def push(
+        self,
+        pid: int,
+        epoch: int,
+        step: int,
+        grad: Any,
+        rows: float,
+        last: bool,
+        pull_next: bool,
+    ) -> tuple[int, np.ndarray | None, Any] | None:
+        """Worker ``pid``'s gradient of step ``(epoch, step)`` (None: no step; a dense
+        array or ``(indices, values)``); with ``pull_next`` the reply carries the
+        parameters of its next step."""
+        self.stats["pushes"] += 1
+        if not self.spec.sync:
+            if grad is not None:
+                self._apply([(grad, 1.0)], 1.0)
+            return self._current() if pull_next else None
+        if grad is not None:
+            self._pushes.setdefault((epoch, step), {})[pid] = (grad, float(rows))
+        if last:
+            self._steps.setdefault(epoch, {})[pid] = step + 1 if grad is not None else step
+        self._advance()
+        if not pull_next:
+            return None
+        await self._ready(epoch, step + 1)
+        self.stats["pulls"] += 1
+        return self._current()
+
+    # -- calls from the driver ------------------------------------------------------------
+
+    def values(self) -> np.ndarray:
+        return self.w
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "shard": self.spec.shard_id,
+            "keys": [self.spec.lo, self.spec.hi],
+            "version": self.version,
+            **self.stats,
+        }
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _current(self) -> tuple[int, np.ndarray | None, Any]:
+        if self._payload is None or self._payload[0] != self.version:
+            if self._put is not None and self.w.nbytes > self.spec.inline_limit:
+                self._payload = (self.version, self._put(self.w))  # one copy per version
+                self.stats["puts"] += 1
+            else:
+                self._payload = (self.version, None)
+        version, ref = self._payload
+        return (version, None, ref) if ref is not None else (version, self.w.copy(), None)
+
+    async def _ready(self, epoch: int, step: int) -> None:
+        if (self.epoch, self.step) >= (epoch, step):
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(((epoch, step), fut))
+        await fut
+
+    def _advance(self) -> None:
+        """Apply every sync step whose pushes are all in; end epochs; wake pullers."""
+        n = self.spec.num_workers
+        while True:
+            key = (self.epoch, self.step)
+            got = self._pushes.get(key, {})
+            lasts = self._steps.get(self.epoch, {})
+            if any(p not in got and lasts.get(p, self.step + 1) > self.step for p in range(n)):
+                break  # a worker still owes this step
+            if got:
+                parts = [got[p] for p in sorted(got)]
+                self._apply(parts, sum(r for _, r in parts))
+                del self._pushes[key]
+                self.step += 1
+            else:  # nobody takes part in this step: the epoch is over
+                self._steps.pop(self.epoch, None)
+                self.epoch += 1
+                self.step = 0
+        if self._waiters:
+            now = (self.epoch, self.step)
+            keep = []
+            for key, fut in self._waiters:
+                if key <= now:
+                    if not fut.done():
+                        fut.set_result(None)
+                else:
+                    keep.append((key, fut))
+            self._waiters = keep
+
+    def _apply(self, parts: list[tuple[Any, float]], total: float) -> None:
+        """One update from ``parts`` (gradient, weight): ``sum(weight * g) / total``."""
+        started = time.perf_counter()
+        if total <= 0:
+            return
+        sparse = [p for p in parts if isinstance(p[0], tuple)]
+        if len(sparse) == len(parts):
+            if len(parts) == 1:
+                (idx, vals), weight = parts[0]
+                vals = vals * (weight / total) if weight != total else vals
+            else:
+                idx = np.concatenate([g[0] for g, _ in parts])
+                vals = np.concatenate([g[1] * (r / total) for g, r in parts])
+                idx, inverse = np.unique(idx, return_inverse=True)
+                vals = np.bincount(inverse, weights=vals, minlength=len(idx))
+            if len(idx):
+                self.rule.sparse(self.w, idx, vals.astype(self.w.dtype, copy=False))
+        else:
+            if len(parts) == 1 and parts[0][1] == total:
+                g = np.asarray(parts[0][0], dtype=self.w.dtype)
+            else:
+                g = np.zeros_like(self.w)
+                for grad, r in parts:
+                    if isinstance(grad, tuple):
+                        np.add.at(g, grad[0], grad[1] * (r / total))
+                    else:
+                        g += grad * (r / total)
+            self.rule.dense(self.w, g)
+        self.version += 1
+        self.stats["updates"] += 1
+        self.stats["apply_seconds"] += time.perf_counter() - started

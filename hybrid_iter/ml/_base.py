@@ -1,0 +1,217 @@
+"""What the estimators of ``hybrid_iter.ml`` share: parameter checks, the iteration run,
+and the model base class with ``save``/``load``. Runs on the driver.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .._body import IterationBody
+from .._config import IterationConfig
+from .._errors import IterationConfigError
+from .._iterate import iterate_bounded_streams_until_termination
+from .._result import IterationResult
+from .._streams import DataStream, ReplayableDataStreamList, _is_dataframe
+from ._features import FeaturePlan
+from ._persist import read_model, write_model
+
+__all__ = [
+    "MODES",
+    "Model",
+    "check_bool",
+    "check_column",
+    "check_features_col",
+    "check_int",
+    "check_mode",
+    "check_number",
+    "check_optional_column",
+    "run_iteration",
+]
+
+MODES = ("sync", "async", "ssp")
+
+
+def _where(owner: str, name: str) -> str:
+    return f"{owner}({name}=...)"
+
+
+def check_int(owner: str, name: str, value: Any, *, minimum: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        extra = " or None" if optional else ""
+        raise IterationConfigError(
+            f"{_where(owner, name)} must be an int >= {minimum}{extra}, got {value!r}"
+        )
+
+
+def check_number(
+    owner: str,
+    name: str,
+    value: Any,
+    *,
+    low: float,
+    high: float = math.inf,
+    low_open: bool = False,
+    optional: bool = False,
+) -> None:
+    if value is None and optional:
+        return
+    ok = isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
+    if ok:
+        v = float(value)
+        ok = not math.isnan(v) and (v > low if low_open else v >= low) and v <= high
+    if not ok:
+        lo = f"> {low:g}" if low_open else f">= {low:g}"
+        hi = f" and <= {high:g}" if math.isfinite(high) else ""
+        raise IterationConfigError(
+            f"{_where(owner, name)} must be a number {lo}{hi}"
+            + (" or None" if optional else "")
+            + f", got {value!r}"
+        )
+
+
+def check_bool(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise IterationConfigError(f"{_where(owner, name)} must be True or False, got {value!r}")
+
+
+def check_column(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise IterationConfigError(
+            f"{_where(owner, name)} must be a column name (a non-empty string), got {value!r}"
+        )
+
+
+def check_optional_column(owner: str, name: str, value: Any) -> None:
+    if value is not None:
+        check_column(owner, name, value)
+
+
+def check_features_col(owner: str, value: Any) -> str | tuple[str, ...]:
+    if isinstance(value, str) and value:
+        return value
+    if (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and value
+        and all(isinstance(c, str) and c for c in value)
+    ):
+        return tuple(value)
+    raise IterationConfigError(
+        f"{owner}(features_col=...) must be a vector column's name or a non-empty list of "
+        f"numeric column names, got {value!r}"
+    )
+
+
+def check_mode(owner: str, mode: Any, staleness: Any) -> int | None:
+    """``mode`` and ``staleness`` as the core's ``IterationConfig.staleness``."""
+    if mode not in MODES:
+        raise IterationConfigError(
+            f"{_where(owner, 'mode')} must be 'sync' (lock step, deterministic), 'async' "
+            f"(no subtask waits) or 'ssp' (bounded staleness), got {mode!r}"
+        )
+    if mode == "ssp":
+        check_int(owner, "staleness", staleness, minimum=1)
+        return int(staleness)
+    if staleness is not None:
+        raise IterationConfigError(
+            f"{_where(owner, 'staleness')} applies to mode='ssp' only (got mode={mode!r}); "
+            f"drop it, or use mode='ssp'"
+        )
+    return 0 if mode == "sync" else None
+
+
+def check_progress(owner: str, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise IterationConfigError(
+            f"{_where(owner, 'progress')} must be True, False or None (only on a terminal), "
+            f"got {value!r}"
+        )
+
+
+def check_dataframe(owner: str, df: Any, *, call: str | None = None) -> None:
+    call = call or f"{owner}.fit(df)"
+    if not _is_dataframe(df):
+        raise IterationConfigError(f"{call} needs a pyspark.sql.DataFrame, got {type(df).__name__}")
+    if df.isStreaming:
+        raise IterationConfigError(
+            f"{call} needs bounded data, got a streaming DataFrame; for online "
+            f"training see hybrid_iter.iterate_unbounded_streams"
+        )
+
+
+def run_iteration(
+    df: Any,
+    plan: FeaturePlan,
+    init: Mapping[str, Any],
+    body: IterationBody,
+    *,
+    staleness: int | None,
+    parallelism: int | None,
+    progress: bool | None,
+    name: str,
+    progress_tag: str = "loss",
+    max_epochs: int | None = None,
+) -> IterationResult:
+    """One iteration over the plan's columns of ``df`` (read once into each subtask)."""
+    data = df.select(*plan.input_columns)
+    stream = DataStream(data, numeric_columns=plan.scalar_columns or None)
+    config = IterationConfig(
+        staleness=staleness,
+        parallelism=parallelism,
+        progress=progress,
+        name=name,
+        progress_tag=progress_tag,
+        max_epochs=max_epochs,
+    )
+    return iterate_bounded_streams_until_termination(
+        init, ReplayableDataStreamList.not_replay(stream), config, body
+    )
+
+
+class Model:
+    """A fitted model: parameters and numpy arrays; ``save``/``load`` through pyarrow.fs.
+
+    ``result`` is the training's ``IterationResult`` (losses, timings, ``plot()``); a
+    loaded model has none.
+    """
+
+    _registry: ClassVar[dict[str, type[Model]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        Model._registry[cls.__name__] = cls
+
+    def __init__(
+        self,
+        params: Mapping[str, Any],
+        arrays: Mapping[str, np.ndarray],
+        result: IterationResult | None = None,
+    ) -> None:
+        self.params = dict(params)
+        self._arrays = {k: np.asarray(v) for k, v in arrays.items()}
+        self.result = result
+
+    def save(self, path: str, *, overwrite: bool = False) -> str:
+        """Write the model to ``path`` (local or any pyarrow.fs URI); returns the path."""
+        return write_model(
+            path, type(self).__name__, self.params, self._arrays, overwrite=overwrite
+        )
+
+    @classmethod
+    def load(cls, path: str) -> Model:
+        """Read a model saved by ``save`` (any model class when called on ``Model``)."""
+        name, params, arrays = read_model(path)
+        klass = Model._registry.get(name)
+        if klass is None or not issubclass(klass, cls):
+            raise ValueError(f"{path!r} holds a {name}, not a {cls.__name__}")
+        return klass(params, arrays)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}{tuple(v.shape)}" for k, v in self._arrays.items())
+        return f"{type(self).__name__}({shapes})"

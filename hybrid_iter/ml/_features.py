@@ -1,0 +1,410 @@
+"""Feature columns of ``hybrid_iter.ml`` and ``hybrid_iter.ps``: checked on the driver,
+decoded to numpy in Spark tasks.
+
+* Driver: ``resolve_features(df, features_col, ...)`` checks the schema (no Spark job;
+  one ``limit(1)`` job only to learn the width of a vector or array column that carries
+  no ML metadata) and returns a ``FeaturePlan``: plain, picklable data.
+* Spark task: ``FeatureCache(plan)`` takes the Arrow batches of a partition once and
+  gives a ``(rows, d)`` Fortran-ordered float64 matrix (what BLAS reads fastest column by
+  column), the label and the weights; ``ColumnCache`` does the same for any columns
+  (``hybrid_iter.ps``), keeping integer columns as integers.
+
+How Spark hands a ``pyspark.ml.linalg`` vector to ``mapInArrow``: as its UDT's storage
+type, ``struct<type: int8, size: int32, indices: list<int32>, values: list<double>>``,
+with ``type`` 1 for a dense vector (``values`` holds every element, ``size`` is null) and
+0 for a sparse one (``size`` elements, ``values[i]`` at ``indices[i]``). Both are decoded
+here without a Python loop over rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.types as pat
+
+from spark_ops import column_to_numpy, is_numeric_arrow_type
+
+from .._errors import DataValidationError, IterationConfigError
+
+__all__ = [
+    "ColumnCache",
+    "FeatureCache",
+    "FeaturePlan",
+    "column_kind",
+    "decode_vectors",
+    "resolve_features",
+]
+
+#: kinds of feature inputs
+VECTOR, ARRAY, COLUMNS = "vector", "array", "columns"
+
+
+@dataclass(frozen=True)
+class FeaturePlan:
+    """Which columns hold the features (and label, weight); plain data for the tasks.
+
+    ``kind`` is ``"vector"`` (one ``VectorUDT`` column), ``"array"`` (one array of
+    numbers column) or ``"columns"`` (numeric columns, one feature each); ``dim`` is the
+    number of features.
+    """
+
+    kind: str
+    columns: tuple[str, ...]
+    dim: int
+    label: str | None = None
+    weight: str | None = None
+
+    @property
+    def input_columns(self) -> tuple[str, ...]:
+        """Every column the tasks read (select only these before the iteration)."""
+        extra = tuple(c for c in (self.label, self.weight) if c is not None)
+        return tuple(dict.fromkeys((*self.columns, *extra)))
+
+    @property
+    def scalar_columns(self) -> tuple[str, ...]:
+        """Columns that must be numeric scalars without nulls (checked while loading)."""
+        feats = self.columns if self.kind == COLUMNS else ()
+        return tuple(c for c in (*feats, self.label, self.weight) if c is not None)
+
+
+def column_kind(dtype: Any) -> str | None:
+    """``"vector"``, ``"array"``, ``"scalar"`` for a numeric Spark type, else None."""
+    from pyspark.sql import types as T
+
+    if type(dtype).__name__ == "VectorUDT":  # pyspark.ml.linalg (and the old mllib one)
+        return VECTOR
+    if isinstance(dtype, T.ArrayType):
+        return ARRAY if isinstance(dtype.elementType, T.NumericType) else None
+    if isinstance(dtype, (T.NumericType, T.BooleanType)):
+        return "scalar"
+    return None
+
+
+def _fields(df: Any) -> dict[str, Any]:
+    return {f.name: f for f in df.schema.fields}
+
+
+def _probe_width(df: Any, name: str, kind: str, param: str) -> int:
+    """The width of a vector/array column: ML metadata when present, else its first row."""
+    field = _fields(df)[name]
+    attrs = (field.metadata or {}).get("ml_attr", {})
+    if isinstance(attrs, dict) and isinstance(attrs.get("num_attrs"), int):
+        return int(attrs["num_attrs"])
+    from pyspark.sql import functions as F
+
+    if kind == VECTOR:
+        from pyspark.ml.functions import vector_to_array
+
+        size = F.size(vector_to_array(F.col(name)))
+    else:
+        size = F.size(F.col(name))
+    row = df.where(F.col(name).isNotNull()).select(size.alias("d")).limit(1).collect()
+    if not row:
+        raise DataValidationError(
+            f"{param}={name!r}: the DataFrame has no rows with a non-null {name!r}; "
+            f"training needs data"
+        )
+    return int(row[0][0])
+
+
+def resolve_features(
+    df: Any,
+    features_col: str | Sequence[str],
+    *,
+    label_col: str | None = None,
+    weight_col: str | None = None,
+    param: str = "features_col",
+    probe: bool = True,
+) -> FeaturePlan:
+    """Check the feature, label and weight columns against ``df``'s schema.
+
+    ``probe=False`` skips learning the width of a vector or array column (``dim`` is then
+    0): what ``transform`` needs, which must not run a job."""
+    fields = _fields(df)
+    if isinstance(features_col, str):
+        names: tuple[str, ...] = (features_col,)
+    elif isinstance(features_col, Sequence) and features_col:
+        names = tuple(features_col)
+        if not all(isinstance(n, str) and n for n in names):
+            raise IterationConfigError(f"{param} must name columns (strings), got {features_col!r}")
+        if len(set(names)) != len(names):
+            raise IterationConfigError(f"{param} lists a column twice: {list(names)}")
+    else:
+        raise IterationConfigError(
+            f"{param} must be a vector column's name or a non-empty list of numeric column "
+            f"names, got {features_col!r}"
+        )
+    for n in names:
+        if n not in fields:
+            raise IterationConfigError(
+                f"{param}: column {n!r} is not in the DataFrame; its columns are {list(fields)}"
+            )
+    kinds = [column_kind(fields[n].dataType) for n in names]
+    if len(names) == 1 and kinds[0] in (VECTOR, ARRAY):
+        kind = kinds[0]
+    else:
+        for n, k in zip(names, kinds):
+            if k != "scalar":
+                what = {VECTOR: "a vector", ARRAY: "an array"}.get(k or "", "not numeric")
+                raise IterationConfigError(
+                    f"{param}: column {n!r} has type {fields[n].dataType.simpleString()} "
+                    f"({what}); give one vector (or array) column, or a list of numeric "
+                    f"columns"
+                    + (f"; cast it first (F.col({n!r}).cast('double'))" if k is None else "")
+                )
+        kind = COLUMNS
+    for role, col in (("label_col", label_col), ("weight_col", weight_col)):
+        if col is None:
+            continue
+        if not isinstance(col, str) or not col:
+            raise IterationConfigError(f"{role} must be a column name, got {col!r}")
+        if col not in fields:
+            raise IterationConfigError(
+                f"{role}={col!r} is not in the DataFrame; its columns are {list(fields)}"
+            )
+        if column_kind(fields[col].dataType) != "scalar":
+            raise IterationConfigError(
+                f"{role}={col!r} has type {fields[col].dataType.simpleString()}, which is not "
+                f"numeric; cast it (F.col({col!r}).cast('double'))"
+            )
+        if col in names:
+            raise IterationConfigError(f"{role}={col!r} is also a feature column ({param})")
+    if kind == COLUMNS:
+        dim = len(names)
+    elif not probe:
+        return FeaturePlan(kind, names, 0, label_col, weight_col)
+    else:
+        dim = _probe_width(df, names[0], kind, param)
+    if dim < 1:
+        raise DataValidationError(f"{param}={names[0]!r} holds empty vectors: no features")
+    return FeaturePlan(kind, names, dim, label_col, weight_col)
+
+
+# -- Spark task side --------------------------------------------------------------------
+
+
+def _lengths(arr: pa.Array) -> np.ndarray:
+    """Per-row lengths of a list array (0 for null rows)."""
+    return pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False)
+
+
+def decode_vectors(col: pa.Array, dim: int, name: str) -> np.ndarray:
+    """A column of ``VectorUDT`` structs as a dense ``(rows, dim)`` float64 array."""
+    n = len(col)
+    if col.null_count:
+        raise DataValidationError(
+            f"vector column {name!r} has {col.null_count} null row(s); drop them first "
+            f"(df.na.drop(subset=[{name!r}]))"
+        )
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    kind_arr, size_arr, idx_arr, val_arr = col.flatten()  # honours the array's offset
+    kinds = kind_arr.to_numpy(zero_copy_only=False)
+    lengths = _lengths(val_arr)
+    flat = val_arr.flatten().to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+    dense = kinds == 1
+    if dense.all():
+        if n and (lengths != dim).any():
+            bad = int(lengths[lengths != dim][0])
+            raise DataValidationError(
+                f"vector column {name!r} holds a vector of size {bad}, but others have "
+                f"{dim}; every row needs the same number of features"
+            )
+        return flat.reshape(n, dim)
+    out = np.zeros((n, dim))
+    if dense.any():
+        if (lengths[dense] != dim).any():
+            bad = int(lengths[dense][lengths[dense] != dim][0])
+            raise DataValidationError(
+                f"vector column {name!r} holds a vector of size {bad}, but others have "
+                f"{dim}; every row needs the same number of features"
+            )
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        out[dense] = flat[starts[dense][:, None] + np.arange(dim)]
+    sparse = ~dense
+    sizes = pc.fill_null(size_arr, -1).to_numpy(zero_copy_only=False)
+    if (sizes[sparse] != dim).any():
+        bad = int(sizes[sparse][sizes[sparse] != dim][0])
+        raise DataValidationError(
+            f"vector column {name!r} holds a sparse vector of size {bad}, but others have "
+            f"{dim}; every row needs the same number of features"
+        )
+    elem_row = np.repeat(np.arange(n), lengths)
+    in_sparse = sparse[elem_row]
+    indices = idx_arr.flatten().to_numpy(zero_copy_only=False)
+    out[elem_row[in_sparse], indices] = flat[in_sparse]
+    return out
+
+
+def _decode(batch: pa.RecordBatch, name: str, kind: str, dim: int | None) -> np.ndarray:
+    col = batch.column(batch.schema.get_field_index(name))
+    if kind == VECTOR:
+        return decode_vectors(col, int(dim or 0), name)
+    try:
+        out = column_to_numpy(batch, name)
+    except (ValueError, TypeError) as ex:
+        raise DataValidationError(str(ex)) from ex
+    if kind == ARRAY and dim is not None and len(out) and out.shape[1] != dim:
+        raise DataValidationError(
+            f"array column {name!r} holds arrays of {out.shape[1]} numbers, expected {dim}; "
+            f"every row needs the same number of features"
+        )
+    return out
+
+
+class _Chunks:
+    """Chunks of one 2-D array, joined once into a Fortran-ordered matrix: chunks of
+    rows (decoded vectors), or of columns (numeric columns: each lands in its matrix
+    column with contiguous writes, as in ``spark_ops.NumpyCache``)."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self.parts: list[np.ndarray] = []
+        self.columns: list[list[np.ndarray]] = [[] for _ in range(dim)]
+        self.rows = 0
+
+    def add(self, part: np.ndarray) -> None:
+        self.parts.append(part.reshape(len(part), self.dim))
+        self.rows += len(part)
+
+    def add_columns(self, columns: list[np.ndarray]) -> None:
+        for chunks, col in zip(self.columns, columns):
+            chunks.append(col)
+        self.rows += len(columns[0]) if columns else 0
+
+    def join(self) -> np.ndarray:
+        out = np.empty((self.rows, self.dim), order="F")
+        if self.parts:
+            np.concatenate(self.parts, axis=0, out=out)
+        elif self.rows:
+            for j, chunks in enumerate(self.columns):
+                np.concatenate(chunks, out=out[:, j])
+        self.parts = []
+        self.columns = []
+        return out
+
+
+class FeatureCache:
+    """A partition's features as one matrix, its labels and weights. Runs in a Spark task.
+
+    ``add(batch)`` for every Arrow batch, then ``matrix()``, ``label()``, ``weight()``.
+    """
+
+    def __init__(self, plan: FeaturePlan) -> None:
+        self.plan = plan
+        self._x = _Chunks(plan.dim)
+        self._label: list[np.ndarray] = []
+        self._weight: list[np.ndarray] = []
+        self._sealed: tuple[np.ndarray, np.ndarray | None, np.ndarray | None] | None = None
+        self.num_rows = 0
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        if self._sealed is not None:
+            raise RuntimeError("FeatureCache.add() after matrix(): the cache is sealed")
+        p = self.plan
+        if p.kind == COLUMNS:
+            self._x.add_columns([column_to_numpy(batch, name) for name in p.columns])
+        else:
+            self._x.add(_decode(batch, p.columns[0], p.kind, p.dim))
+        if p.label is not None:
+            self._label.append(column_to_numpy(batch, p.label))
+        if p.weight is not None:
+            w = column_to_numpy(batch, p.weight)
+            if len(w) and not (np.isfinite(w).all() and (w >= 0).all()):
+                raise DataValidationError(
+                    f"weight column {p.weight!r} holds a negative or non-finite weight; "
+                    f"weights must be finite numbers >= 0"
+                )
+            self._weight.append(w)
+        self.num_rows += batch.num_rows
+
+    def _seal(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        if self._sealed is None:
+            label = np.concatenate(self._label) if self._label else None
+            weight = np.concatenate(self._weight) if self._weight else None
+            if self.plan.label is not None and label is None:
+                label = np.zeros(0)
+            if self.plan.weight is not None and weight is None:
+                weight = np.zeros(0)
+            self._label = self._weight = []
+            self._sealed = (self._x.join(), label, weight)
+        return self._sealed
+
+    def matrix(self) -> np.ndarray:
+        return self._seal()[0]
+
+    def label(self) -> np.ndarray:
+        label = self._seal()[1]
+        if label is None:
+            raise RuntimeError("this FeatureCache has no label column")
+        return label
+
+    def weight(self) -> np.ndarray | None:
+        return self._seal()[2]
+
+
+def _column_numpy(batch: pa.RecordBatch, name: str) -> np.ndarray:
+    """Any numeric, array or vector column as numpy; integers and booleans stay so."""
+    idx = batch.schema.get_field_index(name)
+    if idx < 0:
+        raise DataValidationError(
+            f"column {name!r} is not in the data; its columns are {batch.schema.names}"
+        )
+    col = batch.column(idx)
+    t = col.type
+    if pat.is_struct(t) and t.get_field_index("values") >= 0:
+        raise AssertionError("vector columns are decoded with their width")  # pragma: no cover
+    value_type = t.value_type if (pat.is_list(t) or pat.is_large_list(t)) else t
+    dtype: Any = np.float64
+    if pat.is_integer(value_type):
+        dtype = np.int64
+    elif pat.is_boolean(value_type):
+        dtype = np.bool_
+    elif not is_numeric_arrow_type(value_type):
+        raise DataValidationError(f"column {name!r} has type {t}, which is not numeric")
+    try:
+        return column_to_numpy(batch, name, dtype=dtype)
+    except (ValueError, TypeError) as ex:
+        raise DataValidationError(str(ex)) from ex
+
+
+class ColumnCache:
+    """A partition's columns as numpy arrays, by name. Runs in a Spark task.
+
+    ``widths`` gives the width of vector columns (decoded dense, float64); other
+    columns keep their kind: float64 for floating point and decimals, int64 for integers,
+    bool for booleans, 2-D for array columns.
+    """
+
+    def __init__(self, columns: Sequence[str], vector_widths: dict[str, int]) -> None:
+        self.columns = list(columns)
+        self.vector_widths = dict(vector_widths)
+        self._parts: dict[str, list[np.ndarray]] = {c: [] for c in self.columns}
+        self._arrays: dict[str, np.ndarray] | None = None
+        self.num_rows = 0
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        for name in self.columns:
+            if name in self.vector_widths:
+                part = _decode(batch, name, VECTOR, self.vector_widths[name])
+            else:
+                part = _column_numpy(batch, name)
+            self._parts[name].append(part)
+        self.num_rows += batch.num_rows
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        if self._arrays is None:
+            self._arrays = {}
+            for name, parts in self._parts.items():
+                if not parts:
+                    width = self.vector_widths.get(name)
+                    self._arrays[name] = np.zeros((0, width) if width else (0,))
+                else:
+                    self._arrays[name] = np.ascontiguousarray(np.concatenate(parts))
+            self._parts = {}
+        return self._arrays

@@ -1,0 +1,109 @@
+"""Saving and loading models through ``pyarrow.fs`` (local paths, file://, s3://, gs://,
+hdfs://). Runs on the driver.
+
+A saved model is a directory: ``arrays.npz`` (numpy arrays, no pickles) written first,
+then ``metadata.json`` (format, model class, parameters, library version); a directory
+without ``metadata.json`` is not a model (an interrupted save), so loading it fails
+clearly instead of reading half a model.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = ["read_model", "write_model"]
+
+FORMAT = "hybrid_iter.ml"
+FORMAT_VERSION = 1
+_META = "metadata.json"
+_ARRAYS = "arrays.npz"
+
+
+def _filesystem(path: str) -> tuple[Any, str]:
+    import pyarrow.fs as pafs
+
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"path must be a local path or a pyarrow.fs URI, got {path!r}")
+    if "://" in path:
+        try:
+            return pafs.FileSystem.from_uri(path)
+        except Exception as ex:
+            raise ValueError(
+                f"path {path!r} is not a URI pyarrow.fs can open ({ex}); use a local path, "
+                f"file:///..., s3://..., gs://... or hdfs://..."
+            ) from ex
+    import os
+
+    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
+
+
+def write_model(
+    path: str,
+    model_class: str,
+    params: Mapping[str, Any],
+    arrays: Mapping[str, np.ndarray],
+    *,
+    overwrite: bool = False,
+) -> str:
+    """Write a model directory; refuses an existing model unless ``overwrite``."""
+    import pyarrow.fs as pafs
+
+    from .. import __version__
+
+    fs, root = _filesystem(path)
+    meta_path = f"{root}/{_META}"
+    if fs.get_file_info(meta_path).type != pafs.FileType.NotFound:
+        if not overwrite:
+            raise FileExistsError(
+                f"{path!r} already holds a saved model; pass overwrite=True to replace it, "
+                f"or choose another path"
+            )
+        fs.delete_file(meta_path)  # a crash below leaves "no model", never a mixed one
+    fs.create_dir(root, recursive=True)
+    buf = io.BytesIO()
+    np.savez(buf, **{k: np.asarray(v) for k, v in arrays.items()})
+    with fs.open_output_stream(f"{root}/{_ARRAYS}") as f:
+        f.write(buf.getvalue())
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "class": model_class,
+        "hybrid_iter_version": __version__,
+        "params": dict(params),
+        "arrays": sorted(arrays),
+    }
+    with fs.open_output_stream(meta_path) as f:
+        f.write(json.dumps(meta, indent=2, sort_keys=True).encode())
+    return root
+
+
+def read_model(path: str) -> tuple[str, dict[str, Any], dict[str, np.ndarray]]:
+    """``(model class name, parameters, arrays)`` of a saved model."""
+    import pyarrow.fs as pafs
+
+    fs, root = _filesystem(path)
+    meta_path = f"{root}/{_META}"
+    if fs.get_file_info(meta_path).type == pafs.FileType.NotFound:
+        raise FileNotFoundError(
+            f"{path!r} holds no saved model ({_META} is missing): a wrong path, or a save "
+            f"that did not finish"
+        )
+    with fs.open_input_stream(meta_path) as f:
+        meta = json.loads(f.read().decode())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path!r} is not a hybrid_iter.ml model (format {meta.get('format')!r})")
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise ValueError(
+            f"{path!r} was saved by a newer hybrid_iter (model format "
+            f"{meta['format_version']}); upgrade hybrid_iter to load it"
+        )
+    with fs.open_input_stream(f"{root}/{_ARRAYS}") as f:
+        data = f.read()
+    with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    return meta["class"], dict(meta["params"]), arrays

@@ -1,0 +1,495 @@
+"""``ps.train``: data-parallel training of any model whose gradient a Python function
+computes on a numpy batch, against a sharded parameter server.
+
+Where things run:
+
+* driver: ``train`` checks every argument, flattens ``init``, starts the shard actors
+  (``coordinator._ps.ParameterShard`` made async Ray actors here, ``num_cpus=0``, each owning
+  a contiguous key range of the flat parameter vector and its optimizer state), runs one
+  iteration, gathers the shards' values and stops them.
+* Spark tasks (``_Worker``, one per subtask): read their partition once into numpy
+  columns; each epoch is one pass over them in mini-batches of ``batch_size`` rows; each
+  step pulls the parameters from every shard (zero-copy from the object store when
+  large), calls ``grad_fn``, and pushes the gradient slices (dense, or ``Sparse``
+  entries routed to the shards that own them) straight to the shards; the push's reply
+  carries the next step's parameters. Only ``(loss, rows)`` per epoch goes to the
+  iteration's coordinator.
+* Ray coordinator actor (``_Epochs``): epoch accounting, the loss per epoch, termination
+  (``epochs``, or ``tol``) and, in SSP mode, the staleness bound between subtasks.
+
+Modes: ``"sync"``: every step is one global update (the subtasks' mean gradients
+weighted by their rows, summed in subtask order: deterministic, equal to a single
+process loop over the same batches); ``"async"``: each push is applied on arrival,
+pulls take the newest parameters, no subtask waits for another; ``"ssp"``: async
+steps, but no subtask more than ``staleness`` epochs ahead of the slowest.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from coordinator._ps import ParameterShard, ShardSpec
+
+from .._body import IterationBody
+from .._config import IterationConfig
+from .._errors import IterationConfigError
+from .._iterate import iterate_bounded_streams_until_termination
+from .._operators import CoordinatorOperator, PartitionOperator
+from .._ray_util import NAMESPACE
+from .._result import IterationResult
+from .._streams import DataStream, ReplayableDataStreamList
+from ..ml._base import check_dataframe, check_int, check_mode, check_progress
+from ..ml._features import VECTOR, ColumnCache, column_kind, resolve_features
+from ._layout import Layout
+from ._optim import SGD, Optimizer
+
+__all__ = ["TrainResult", "launch_shards", "stop_shards", "train"]
+
+#: ``num_shards=None`` gives each shard about this many parameters (at most ``_MAX_AUTO``).
+PARAMS_PER_SHARD = 2_500_000
+_MAX_AUTO_SHARDS = 4
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What ``ps.train`` returns.
+
+    ``params``: the trained parameters in ``init``'s structure; ``result``: the
+    iteration's ``IterationResult`` (``loss`` per epoch, timings, ``plot()``);
+    ``shards``: each shard's key range and counters (pushes, updates, pulls, puts).
+    """
+
+    params: Any
+    result: IterationResult
+    shards: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def loss(self) -> list[float]:
+        """The mean loss of each epoch (over every row the epoch trained on)."""
+        return [float(v) for v in self.result.outputs.get("loss", [])]
+
+    def plot(self, path: str | None = None, *, compare: Any = None) -> Any:
+        """``IterationResult.plot`` of the training run."""
+        if isinstance(compare, TrainResult):
+            compare = compare.result
+        return self.result.plot(path, compare=compare)
+
+
+# -- Spark task side --------------------------------------------------------------------
+
+
+class _Shards:
+    """The task's handles to every shard: pull the whole vector, push a gradient."""
+
+    def __init__(self, names: Sequence[str], bounds: Sequence[int], dtype: str) -> None:
+        import ray
+
+        self.handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
+        self.bounds = list(bounds)
+        self.dtype = np.dtype(dtype)
+        self.buffer: np.ndarray | None = None
+
+    def _assemble(self, replies: list[Any]) -> np.ndarray:
+        import ray
+
+        parts = []
+        for _version, inline, ref in replies:
+            parts.append(inline if ref is None else ray.get(ref))
+        if len(parts) == 1:
+            flat = parts[0]
+        else:
+            if self.buffer is None:
+                self.buffer = np.empty(self.bounds[-1], dtype=self.dtype)
+            np.concatenate(parts, out=self.buffer)
+            flat = self.buffer.view()
+        flat.flags.writeable = False
+        return flat
+
+    def pull(self, epoch: int, step: int) -> np.ndarray:
+        import ray
+
+        return self._assemble(ray.get([h.pull.remote(epoch, step) for h in self.handles]))
+
+    def push(
+        self,
+        pid: int,
+        epoch: int,
+        step: int,
+        grad: Any,
+        rows: float,
+        last: bool,
+    ) -> np.ndarray | None:
+        """Send ``grad`` (flat dense, ``(indices, values)``, or None) to the shards; the
+        parameters of the next step unless this was the epoch's ``last``."""
+        import ray
+
+        calls = []
+        lo_hi = list(zip(self.bounds[:-1], self.bounds[1:]))
+        if isinstance(grad, tuple):
+            idx, vals = grad
+            cuts = np.searchsorted(idx, self.bounds)
+        for i, (h, (lo, hi)) in enumerate(zip(self.handles, lo_hi)):
+            if grad is None:
+                part: Any = None
+            elif isinstance(grad, tuple):
+                a, b = cuts[i], cuts[i + 1]
+                part = (idx[a:b] - lo, vals[a:b])
+            else:
+                part = grad[lo:hi]
+            calls.append(h.push.remote(pid, epoch, step, part, rows, last, not last))
+        replies = ray.get(calls)
+        return None if last else self._assemble(replies)
+
+
+class _Worker(PartitionOperator):
+    """Runs in a Spark task: caches its columns, runs each epoch's steps against the
+    shards, feeds back ``(loss sum, rows, steps, epoch start)``."""
+
+    def __init__(
+        self,
+        *,
+        grad_fn: Callable[[Any, dict[str, np.ndarray]], Any],
+        layout: Layout,
+        columns: Sequence[str],
+        vector_widths: Mapping[str, int],
+        shard_names: Sequence[str],
+        bounds: Sequence[int],
+        batch_size: int | None,
+        shuffle: bool,
+        seed: int,
+    ) -> None:
+        self.grad_fn = grad_fn
+        self.layout = layout
+        self.columns = list(columns)
+        self.vector_widths = dict(vector_widths)
+        self.shard_names = list(shard_names)
+        self.bounds = list(bounds)
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+
+    def open(self, ctx: Any) -> None:
+        self.cache = ColumnCache(self.columns, self.vector_widths)
+        self.shards: _Shards | None = None
+
+    def process_data(self, stream: int, batch: Any, ctx: Any, out: Any) -> None:
+        self.cache.add(batch)
+
+    def _call(self, w: np.ndarray, batch: dict[str, np.ndarray]) -> tuple[float, Any]:
+        got = self.grad_fn(self.layout.unflatten(w), batch)
+        if not isinstance(got, tuple) or len(got) != 2:
+            raise TypeError(
+                f"grad_fn must return (loss, gradient), got {type(got).__name__}; e.g. "
+                f"`return float(loss), grad`"
+            )
+        loss, grad = got
+        try:
+            loss = float(loss)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"grad_fn must return the batch's mean loss as a number first, got "
+                f"{type(loss).__name__}"
+            ) from None
+        return loss, self.layout.flatten_grad(grad)
+
+    def on_epoch_watermark_incremented(self, epoch: int, ctx: Any, out: Any) -> None:
+        started = time.time()
+        if self.shards is None:
+            self.shards = _Shards(self.shard_names, self.bounds, self.layout.dtype)
+        arrays = self.cache.arrays()
+        n = self.cache.num_rows
+        pid = ctx.partition_id
+        b = n if self.batch_size is None else self.batch_size
+        steps = math.ceil(n / b) if n else 0
+        if steps == 0:
+            self.shards.push(pid, epoch, 0, None, 0.0, True)
+            out.feedback((0.0, 0, 0, started))
+            return
+        order = (
+            np.random.default_rng([self.seed, pid, epoch]).permutation(n) if self.shuffle else None
+        )
+        w = self.shards.pull(epoch, 0)
+        loss_sum = 0.0
+        for s in range(steps):
+            lo, hi = s * b, min(n, (s + 1) * b)
+            if order is not None:
+                rows = order[lo:hi]
+                batch = {k: v[rows] for k, v in arrays.items()}
+            elif lo == 0 and hi == n:
+                batch = arrays
+            else:
+                batch = {k: v[lo:hi] for k, v in arrays.items()}
+            loss, grad = self._call(w, batch)
+            loss_sum += loss * (hi - lo)
+            last = s == steps - 1
+            nxt = self.shards.push(pid, epoch, s, grad, float(hi - lo), last)
+            if nxt is not None:
+                w = nxt
+        out.feedback((loss_sum, n, steps, started))
+
+
+# -- Ray coordinator actor --------------------------------------------------------------
+
+
+class _Epochs(CoordinatorOperator):
+    """Runs in the Ray coordinator actor: the loss of each epoch and termination."""
+
+    def __init__(self, epochs: int, tol: float | None) -> None:
+        self.epochs = epochs
+        self.tol = tol
+
+    def open(self, init_variables: Any, ctx: Any) -> None:
+        self.sums: dict[int, list[float]] = {}
+        self.t0 = math.inf
+
+    def process_feedback(self, value: Any, ctx: Any, out: Any) -> None:
+        loss_sum, rows, _steps, started = value
+        self.t0 = min(self.t0, float(started))
+        acc = self.sums.setdefault(ctx.epoch, [0.0, 0.0])
+        acc[0] += loss_sum
+        acc[1] += rows
+
+    def on_epoch_watermark_incremented(self, epoch: int, ctx: Any, out: Any) -> None:
+        loss_sum, rows = self.sums.pop(epoch, (0.0, 0.0))
+        loss = loss_sum / rows if rows else math.nan
+        if rows:
+            if not math.isfinite(loss):
+                raise FloatingPointError(
+                    f"the loss diverged ({loss}) at epoch {epoch}; lower the learning rate"
+                )
+            out.output("loss", loss)
+            out.output("loss_trace", (time.time() - self.t0, loss))
+        if self.tol is not None and epoch + 1 < self.epochs and not loss <= self.tol:
+            out.criteria()
+
+
+# -- driver -----------------------------------------------------------------------------
+
+
+def _columns(df: Any, columns: Any) -> tuple[list[str], dict[str, int]]:
+    fields = {f.name: f for f in df.schema.fields}
+    if columns is None:
+        names = [n for n, f in fields.items() if column_kind(f.dataType) is not None]
+        if not names:
+            raise IterationConfigError(
+                "ps.train: the DataFrame has no numeric, array or vector column to train on"
+            )
+    elif isinstance(columns, str) or not isinstance(columns, Sequence) or not columns:
+        raise IterationConfigError(
+            f"ps.train(columns=...) must be a non-empty list of column names (or None for "
+            f"every numeric, array and vector column), got {columns!r}"
+        )
+    else:
+        names = list(columns)
+        for n in names:
+            if n not in fields:
+                raise IterationConfigError(
+                    f"ps.train(columns=...): column {n!r} is not in the DataFrame; its "
+                    f"columns are {list(fields)}"
+                )
+            if column_kind(fields[n].dataType) is None:
+                raise IterationConfigError(
+                    f"ps.train(columns=...): column {n!r} has type "
+                    f"{fields[n].dataType.simpleString()}, which is not numeric, an array "
+                    f"of numbers or a vector; cast it or leave it out"
+                )
+    widths = {
+        n: resolve_features(df, n, param="ps.train(columns=...)").dim
+        for n in names
+        if column_kind(fields[n].dataType) == VECTOR
+    }
+    return names, widths
+
+
+def _shard_bounds(size: int, num_shards: int | None) -> list[int]:
+    if num_shards is None:
+        num_shards = min(_MAX_AUTO_SHARDS, max(1, math.ceil(size / PARAMS_PER_SHARD)))
+    cuts = np.linspace(0, size, num_shards + 1).round().astype(int)
+    return [int(c) for c in cuts]
+
+
+def train(
+    df: Any,
+    grad_fn: Callable[[Any, dict[str, np.ndarray]], Any],
+    init: Any,
+    *,
+    optimizer: Optimizer | None = None,
+    mode: str = "sync",
+    staleness: int | None = None,
+    epochs: int = 10,
+    batch_size: int | None = None,
+    columns: Sequence[str] | None = None,
+    num_shards: int | None = None,
+    tol: float | None = None,
+    shuffle: bool = False,
+    seed: int = 0,
+    parallelism: int | None = None,
+    progress: bool | None = None,
+    name: str | None = None,
+) -> TrainResult:
+    """Train ``init`` by ``grad_fn`` over ``df`` on a sharded parameter server.
+
+    * ``grad_fn(params, batch) -> (loss, grad)``: runs in the Spark tasks; ``params`` has
+      ``init``'s structure (read-only arrays), ``batch`` maps each of ``columns`` to a
+      numpy array of the batch's rows (vector and array columns 2-D); return the batch's
+      mean loss and gradient, the gradient in ``params``' structure, any part of it may be
+      a ``ps.Sparse`` (only the touched entries travel).
+    * ``init``: a numeric array (any shape) or a dict of them (the initial parameters).
+    * ``optimizer``: ``ps.SGD(...)`` (default ``SGD(0.01)``) or ``ps.Adam(...)``, applied by
+      the shards.
+    * ``mode``: ``"sync"``, ``"async"`` or ``"ssp"`` (with ``staleness`` epochs).
+    * ``epochs``: passes over the data; ``batch_size``: rows per step of each subtask
+      (``None``: the whole partition, one step per epoch); ``shuffle``: a seeded new
+      order every epoch; ``tol``: also stop once an epoch's loss is <= ``tol``.
+    * ``num_shards``: shard actors (``None``: one per 2.5 million parameters, at most 4).
+    """
+    check_dataframe("ps.train", df, call="ps.train(df, ...)")
+    if not callable(grad_fn):
+        raise IterationConfigError(
+            f"ps.train(grad_fn=...) must be a function (params, batch) -> (loss, grad), got "
+            f"{type(grad_fn).__name__}"
+        )
+    layout, flat = Layout.of(init)
+    if optimizer is None:
+        optimizer = SGD()
+    if not isinstance(optimizer, Optimizer):
+        raise IterationConfigError(
+            f"ps.train(optimizer=...) must be hybrid_iter.ps.SGD(...) or ps.Adam(...), got "
+            f"{type(optimizer).__name__}"
+        )
+    iteration_staleness = check_mode("ps.train", mode, staleness)
+    check_int("ps.train", "epochs", epochs, minimum=1)
+    check_int("ps.train", "batch_size", batch_size, minimum=1, optional=True)
+    check_int("ps.train", "num_shards", num_shards, minimum=1, optional=True)
+    if num_shards is not None and num_shards > layout.size:
+        raise IterationConfigError(
+            f"ps.train(num_shards={num_shards}) exceeds the {layout.size} parameters; use at "
+            f"most one shard per parameter"
+        )
+    if tol is not None and (
+        isinstance(tol, bool) or not isinstance(tol, (int, float)) or math.isnan(tol)
+    ):
+        raise IterationConfigError(f"ps.train(tol=...) must be a number or None, got {tol!r}")
+    if not isinstance(shuffle, bool):
+        raise IterationConfigError(f"ps.train(shuffle=...) must be True or False, got {shuffle!r}")
+    check_int("ps.train", "seed", seed, minimum=0)
+    check_int("ps.train", "parallelism", parallelism, minimum=1, optional=True)
+    check_progress("ps.train", progress)
+    names, widths = _columns(df, columns)
+    bounds = _shard_bounds(layout.size, num_shards)
+
+    from spark_ops import available_task_slots
+
+    from .._iterate import _ray_address
+    from .._ray_util import connect
+
+    n = parallelism or available_task_slots(df.sparkSession)
+    if n < 1:
+        raise IterationConfigError("Spark has no task slots; start executors or a Session")
+    connect(_ray_address(df.sparkSession), namespace=NAMESPACE)
+    import ray
+
+    shards: list[Any] = []
+    try:
+        shard_names, shards = launch_shards(
+            flat, bounds, optimizer, num_workers=n, sync=mode == "sync"
+        )
+        worker = _Worker(
+            grad_fn=grad_fn,
+            layout=layout,
+            columns=names,
+            vector_widths=widths,
+            shard_names=shard_names,
+            bounds=bounds,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+        )
+        body = IterationBody(
+            partition=worker,
+            coordinator=_Epochs(epochs, tol),
+            criteria=True if tol is not None else None,  # else epochs (max_epochs) ends it
+        )
+        scalar = [c for c in names if c not in widths and column_kind(_type(df, c)) == "scalar"]
+        stream = DataStream(df.select(*names), numeric_columns=scalar or None)
+        config = IterationConfig(
+            staleness=iteration_staleness,
+            max_epochs=epochs,
+            parallelism=n,
+            progress=progress,
+            name=name or f"ps[{mode}]",
+        )
+        result = iterate_bounded_streams_until_termination(
+            {"epoch": 0}, ReplayableDataStreamList.not_replay(stream), config, body
+        )
+        values = ray.get([s.values.remote() for s in shards])
+        info = ray.get([s.info.remote() for s in shards])
+    finally:
+        stop_shards(shards)
+    final = np.concatenate(values) if len(values) > 1 else np.array(values[0])
+    params = layout.unflatten(final)
+    if isinstance(params, dict):
+        params = {k: np.array(v) for k, v in params.items()}
+    else:
+        params = np.array(params)
+    return TrainResult(params, result, info)
+
+
+def launch_shards(
+    flat: np.ndarray,
+    bounds: Sequence[int],
+    optimizer: Optimizer,
+    *,
+    num_workers: int,
+    sync: bool,
+) -> tuple[list[str], list[Any]]:
+    """Start one shard actor per key range ``[bounds[i], bounds[i + 1])`` (driver; Ray
+    must be connected); returns their names and handles once every one is up."""
+    import ray
+
+    run_id = uuid.uuid4().hex[:12]
+    shard_cls = ray.remote(
+        num_cpus=0, max_restarts=0, max_concurrency=max(1000, 4 * num_workers + 16)
+    )(ParameterShard)
+    names = [f"hybrid_iter.ps.{run_id}.shard{i}" for i in range(len(bounds) - 1)]
+    handles: list[Any] = []
+    try:
+        for i, name in enumerate(names):
+            lo, hi = bounds[i], bounds[i + 1]
+            spec = ShardSpec(
+                shard_id=i,
+                lo=lo,
+                hi=hi,
+                init=flat[lo:hi],
+                rule=optimizer.rule,
+                rule_params=optimizer.rule_params(),
+                num_workers=num_workers,
+                sync=sync,
+            )
+            handles.append(shard_cls.options(name=name, namespace=NAMESPACE).remote(spec))
+        ray.get([h.info.remote() for h in handles])  # started (a bad spec fails here)
+    except BaseException:
+        stop_shards(handles)
+        raise
+    return names, handles
+
+
+def stop_shards(handles: Sequence[Any]) -> None:
+    import ray
+
+    for h in handles:
+        try:
+            ray.kill(h, no_restart=True)
+        except Exception:
+            pass  # never hide the training's own outcome
+
+
+def _type(df: Any, name: str) -> Any:
+    return next(f.dataType for f in df.schema.fields if f.name == name)

@@ -1,0 +1,334 @@
+"""hybrid_iter.ps on real Spark + Ray: sync equals a numpy loop (SGD and Adam), shards do
+not change a sync result, sparse pushes, async/SSP with a slowed subtask, a model of a
+few million parameters, the shard actor's protocol on its own, and every bad argument."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+
+import numpy as np
+import pytest
+
+import hybrid_iter as hi
+from coordinator._ps import ParameterShard, ShardSpec
+from hybrid_iter import ps
+
+N, D, PARTS = 400, 3, 2
+
+
+@pytest.fixture(scope="module")
+def regression(spark):
+    """Rows split evenly in 2 partitions in order: partition p holds rows [200 p, 200 p + 200);
+    ``slow`` is 1 in partition 1 (a grad_fn may sleep there: a simulated straggler)."""
+    rng = np.random.default_rng(9)
+    X = rng.standard_normal((N, D))
+    y = X @ np.array([1.0, -2.0, 0.5]) + 0.3 + 0.01 * rng.standard_normal(N)
+    slow = (np.arange(N) >= N // 2).astype(np.int64)
+    ids = rng.integers(0, 50, N)
+    rows = [([float(v) for v in X[i]], float(y[i]), int(slow[i]), int(ids[i])) for i in range(N)]
+    df = spark.createDataFrame(
+        spark.sparkContext.parallelize(rows, PARTS), "x array<double>, y double, slow long, id long"
+    ).cache()
+    df.count()
+    yield df, X, y, ids
+    df.unpersist()
+
+
+def linreg_grad(params, batch):
+    """Mean squared error / 2 of y ~ X w + b; params {"w": (3,), "b": ()}."""
+    X, y = batch["x"], batch["y"]
+    r = X @ params["w"] + params["b"] - y
+    return float(r @ r) / (2 * len(y)), {"w": X.T @ r / len(y), "b": r.mean()}
+
+
+def numpy_sync(X, y, *, epochs, batch, update):
+    """The sync reference: each step's global batch is every partition's next local batch,
+    the gradient their row-weighted mean, summed in partition order."""
+    w, b = np.zeros(D), 0.0
+    parts = np.array_split(np.arange(N), PARTS)
+    steps = max(math.ceil(len(p) / batch) for p in parts)
+    for _ in range(epochs):
+        for s in range(steps):
+            chunks = [p[s * batch : (s + 1) * batch] for p in parts]
+            chunks = [c for c in chunks if len(c)]
+            total = float(sum(len(c) for c in chunks))
+            gw, gb = np.zeros(D), 0.0
+            for c in chunks:
+                _, g = linreg_grad({"w": w, "b": b}, {"x": X[c], "y": y[c]})
+                gw = gw + g["w"] * (len(c) / total)
+                gb = gb + g["b"] * (len(c) / total)
+            flat = update(np.concatenate([w, [b]]), np.concatenate([gw, [gb]]))
+            w, b = flat[:D], flat[D]
+    return w, b
+
+
+def test_sync_sgd_equals_the_numpy_loop_and_shards_change_nothing(regression):
+    df, X, y, _ = regression
+    init = {"w": np.zeros(D), "b": 0.0}
+    kw = {
+        "optimizer": ps.SGD(0.2),
+        "epochs": 3,
+        "batch_size": 60,
+        "columns": ["x", "y"],
+        "parallelism": PARTS,
+    }
+    one = ps.train(df, linreg_grad, init, num_shards=1, **kw)
+    three = ps.train(df, linreg_grad, init, num_shards=3, **kw)
+    w, b = numpy_sync(X, y, epochs=3, batch=60, update=lambda p, g: p - 0.2 * g)
+    np.testing.assert_allclose(one.params["w"], w, rtol=1e-12)
+    assert float(one.params["b"]) == pytest.approx(b, rel=1e-12)
+    assert np.array_equal(one.params["w"], three.params["w"])
+    assert one.params["b"] == three.params["b"]
+    assert [s["keys"] for s in three.shards] == [[0, 1], [1, 3], [3, 4]]
+    assert all(s["updates"] == 3 * 4 for s in three.shards)  # 4 steps per epoch
+    assert one.result.epochs == 3 and len(one.loss) == 3 and one.loss[-1] < one.loss[0]
+
+
+def test_sync_adam_equals_the_numpy_adam_loop(regression):
+    df, X, y, _ = regression
+    state = {"m": np.zeros(D + 1), "v": np.zeros(D + 1), "t": 0}
+
+    def adam(p, g, lr=0.05, b1=0.9, b2=0.999, eps=1e-8):
+        state["t"] += 1
+        t = state["t"]
+        state["m"] = b1 * state["m"] + (1 - b1) * g
+        state["v"] = b2 * state["v"] + (1 - b2) * g * g
+        a = lr * np.sqrt(1 - b2**t) / (1 - b1**t)
+        return p - a * state["m"] / (np.sqrt(state["v"]) + eps)
+
+    out = ps.train(
+        df,
+        linreg_grad,
+        {"w": np.zeros(D), "b": 0.0},
+        optimizer=ps.Adam(0.05),
+        epochs=2,
+        batch_size=100,
+        columns=["x", "y"],
+        num_shards=2,
+        parallelism=PARTS,
+    )
+    w, b = numpy_sync(X, y, epochs=2, batch=100, update=adam)
+    np.testing.assert_allclose(out.params["w"], w, rtol=1e-10)
+    assert float(out.params["b"]) == pytest.approx(b, rel=1e-10)
+
+
+def test_sparse_pushes_equal_dense_ones_and_touch_only_their_keys(regression):
+    df, X, y, ids = regression
+    rng = np.random.default_rng(0)
+    init = {"emb": rng.standard_normal((60, 2)) * 0.1, "scale": np.ones(1)}
+
+    def grad(sparse):
+        def fn(params, batch):
+            rows, target = batch["id"], batch["y"]
+            e = params["emb"][rows]  # (n, 2)
+            pred = params["scale"][0] * e.sum(axis=1)
+            r = pred - target
+            g_rows = (params["scale"][0] * r)[:, None] * np.ones((1, 2)) / len(r)
+            g_scale = np.array([float(r @ e.sum(axis=1)) / len(r)])
+            if sparse:
+                g_emb = ps.Sparse(rows, g_rows)  # repeated ids are summed
+                g_scale = ps.Sparse(np.array([0]), g_scale)
+            else:
+                g_emb = np.zeros_like(params["emb"])
+                np.add.at(g_emb, rows, g_rows)
+            return float(r @ r) / (2 * len(r)), {"emb": g_emb, "scale": g_scale}
+
+        return fn
+
+    kw = {
+        "optimizer": ps.SGD(0.1),
+        "epochs": 2,
+        "batch_size": 50,
+        "columns": ["id", "y"],
+        "parallelism": PARTS,
+    }
+    sparse = ps.train(df, grad(True), init, num_shards=3, **kw)
+    dense = ps.train(df, grad(False), init, num_shards=1, **kw)
+    np.testing.assert_allclose(sparse.params["emb"], dense.params["emb"], rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(sparse.params["scale"], dense.params["scale"], rtol=1e-10)
+    untouched = np.setdiff1d(np.arange(60), ids)  # ids are < 50: rows 50..59 never move
+    assert len(untouched) >= 10
+    assert np.array_equal(sparse.params["emb"][untouched], init["emb"][untouched])
+
+    def only_sparse(params, batch):  # a whole model as one Sparse: 1-D indices
+        idx = batch["id"]
+        r = params[idx] - batch["y"]
+        return float(r @ r) / 2 / len(r), ps.Sparse(idx, r / len(r))
+
+    one_d = ps.train(
+        df,
+        only_sparse,
+        np.zeros(80),
+        optimizer=ps.SGD(0.5),
+        epochs=2,
+        columns=["id", "y"],
+        parallelism=PARTS,
+    )
+    assert np.array_equal(one_d.params[50:], np.zeros(30))
+    assert np.count_nonzero(one_d.params[:50]) == len(np.unique(ids))
+
+
+def test_async_and_ssp_with_a_slowed_subtask_converge(regression):
+    df, X, y, _ = regression
+
+    def slowed(params, batch):
+        if batch["slow"][0] == 1:
+            time.sleep(0.004)  # a simulated straggler: this subtask computes slower
+        return linreg_grad(params, batch)
+
+    best = np.linalg.lstsq(np.c_[X, np.ones(N)], y, rcond=None)[0]
+    for mode, staleness in (("async", None), ("ssp", 1)):
+        out = ps.train(
+            df,
+            slowed,
+            {"w": np.zeros(D), "b": 0.0},
+            optimizer=ps.SGD(0.1),
+            mode=mode,
+            staleness=staleness,
+            epochs=8,
+            batch_size=20,
+            num_shards=2,
+            columns=["x", "y", "slow"],
+            shuffle=True,
+            parallelism=PARTS,
+        )
+        np.testing.assert_allclose(out.params["w"], best[:D], atol=0.02)
+        assert float(out.params["b"]) == pytest.approx(best[D], abs=0.02)
+        # every push was applied on arrival: 2 subtasks x 8 epochs x 10 steps
+        assert all(s["updates"] == 160 for s in out.shards)
+        assert out.result.mode == mode and out.loss[-1] < 0.01
+
+
+def test_a_model_of_millions_of_parameters_is_sharded(regression):
+    df, X, y, _ = regression
+    size = 3_000_000
+
+    def fn(w, batch):
+        Xb, yb = batch["x"], batch["y"]
+        r = Xb @ w[:D] - yb
+        g = 1e-3 * w  # a dense gradient over every parameter (weight decay)
+        g[:D] += Xb.T @ r / len(yb)
+        return float(r @ r) / (2 * len(yb)), g
+
+    init = np.full(size, 1.0)
+    out = ps.train(
+        df, fn, init, optimizer=ps.SGD(0.5), epochs=2, columns=["x", "y"], parallelism=PARTS
+    )
+    assert len(out.shards) == 2  # one shard per 2.5 million parameters
+    assert out.params.shape == (size,)
+    np.testing.assert_allclose(out.params[D:], (1 - 0.5e-3) ** 2, rtol=1e-12)
+    assert all(s["puts"] >= 1 for s in out.shards)  # large slices go through the store
+    assert out.loss[-1] < out.loss[0]
+
+
+def test_the_shard_protocol_on_its_own():
+    """Sync steps wait for every worker that takes part; epochs end when all are done."""
+    spec = ShardSpec(
+        shard_id=0,
+        lo=0,
+        hi=2,
+        init=np.zeros(2),
+        rule="sgd",
+        rule_params={"learning_rate": 1.0},
+        num_workers=2,
+        sync=True,
+    )
+    shard = ParameterShard(spec, put=None)
+
+    async def scenario():
+        # worker 0 has 2 steps, worker 1 one step in epoch 0
+        a = asyncio.ensure_future(shard.push(0, 0, 0, np.array([1.0, 0.0]), 1.0, False, True))
+        await asyncio.sleep(0)
+        assert not a.done() and shard.version == 0  # waits for worker 1's step 0
+        b = await shard.push(1, 0, 0, np.array([0.0, 3.0]), 3.0, True, False)
+        assert b is None
+        version, values, ref = await a
+        assert version == 1 and ref is None
+        np.testing.assert_allclose(values, [-0.25, -2.25])
+        nxt = asyncio.ensure_future(shard.pull(1, 0))
+        await asyncio.sleep(0)
+        assert not nxt.done()  # epoch 0 is not over: worker 0 owes its last step
+        await shard.push(0, 0, 1, np.array([1.0, 1.0]), 1.0, True, False)
+        version, values, _ = await nxt
+        assert version == 2 and (shard.epoch, shard.step) == (1, 0)
+        np.testing.assert_allclose(values, [-1.25, -3.25])
+        await shard.push(0, 1, 0, None, 0.0, True, False)  # no rows: no step
+        await shard.push(1, 1, 0, None, 0.0, True, False)
+        assert (shard.epoch, shard.version) == (2, 2)
+
+    asyncio.run(scenario())
+
+
+# -- bad arguments -----------------------------------------------------------------------------
+
+
+def _ok(params, batch):
+    return 0.0, np.zeros_like(params)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"grad_fn": 3}, "grad_fn=...) must be a function"),
+        ({"init": {}}, "at least one parameter"),
+        ({"init": np.zeros(0)}, "no parameters"),
+        ({"init": np.array(["a"])}, "must be a numeric array"),
+        ({"init": {1: np.zeros(2)}}, "parameter names"),
+        ({"optimizer": "sgd"}, "ps.SGD"),
+        ({"mode": "fast"}, "mode=...) must be 'sync'"),
+        ({"mode": "sync", "staleness": 1}, "staleness"),
+        ({"mode": "ssp"}, "staleness"),
+        ({"epochs": 0}, "epochs"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"num_shards": 0}, "num_shards"),
+        ({"num_shards": 5}, "exceeds the 4 parameters"),
+        ({"tol": "low"}, "tol"),
+        ({"shuffle": 1}, "shuffle"),
+        ({"seed": -2}, "seed"),
+        ({"columns": "x"}, "list of column names"),
+        ({"columns": ["nope"]}, "'nope' is not in the DataFrame"),
+        ({"columns": ["name"]}, "not numeric"),
+        ({"progress": 1}, "progress"),
+        ({"df": [1]}, "pyspark.sql.DataFrame"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_starts(spark, regression, kwargs, message):
+    from pyspark.sql import functions as F
+
+    kwargs = dict(kwargs)
+    df = regression[0].withColumn("name", F.lit("a"))
+    args = {"df": df, "grad_fn": _ok, "init": np.zeros(4)}
+    args.update({k: kwargs.pop(k) for k in list(kwargs) if k in args})
+    with pytest.raises(hi.IterationConfigError, match=re.escape(message)):
+        ps.train(args["df"], args["grad_fn"], args["init"], **kwargs)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: ps.SGD(learning_rate=0), "SGD\\(learning_rate"),
+        (lambda: ps.SGD(momentum=1.0), "momentum"),
+        (lambda: ps.Adam(beta1=1.0), "beta1"),
+        (lambda: ps.Adam(epsilon=0), "epsilon"),
+    ],
+)
+def test_bad_optimizers(make, message):
+    with pytest.raises(hi.IterationConfigError, match=message):
+        make()
+
+
+def test_a_bad_gradient_fails_naming_grad_fn(regression):
+    df = regression[0]
+
+    def wrong_shape(params, batch):
+        return 0.0, np.zeros(7)
+
+    with pytest.raises(hi.IterationFailedError, match="grad_fn returned grad of shape"):
+        ps.train(df, wrong_shape, np.zeros(4), epochs=1, columns=["x", "y"], parallelism=PARTS)
+    with pytest.raises(TypeError, match="one entry"):
+        ps.Sparse([0, 1], [1.0])
+    with pytest.raises(TypeError, match="integers"):
+        ps.Sparse([0.5], [1.0])
