@@ -27,6 +27,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -36,6 +37,7 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 
 import logistic_regression as lr_example  # noqa: E402
 import numpy as np  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
 
 import hybrid_iter as hi  # noqa: E402
 from hybrid_iter import ml  # noqa: E402
@@ -101,10 +103,16 @@ def main() -> None:
         df = df.cache()
         df.count()
         cols = [f"x{j}" for j in range(args.features)]
-        pdf = df.toPandas()  # to score every model version exactly
-        X = np.asfortranarray(pdf[cols].to_numpy(dtype=np.float64))
-        y = pdf["label"].to_numpy(dtype=np.float64)
-        del pdf
+        # every row on the driver, to score every model version exactly: through a
+        # Parquet file (a row-wise collect of 1M x 51 doubles overflows the JVM heap)
+        with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
+            df.write.parquet(os.path.join(tmp, "points"))
+            table = pq.read_table(os.path.join(tmp, "points"))
+        X = np.asfortranarray(
+            np.column_stack([table.column(c).to_numpy() for c in cols]), dtype=np.float64
+        )
+        y = table.column("label").to_numpy().astype(np.float64)
+        del table
         base = ml.LogisticRegression(
             features_col=cols, learning_rate=args.lr, parallelism=args.partitions, progress=False
         )

@@ -102,7 +102,13 @@ def _normalise_rows(C: np.ndarray) -> np.ndarray:
 def _local_kmeans(
     points: np.ndarray, weights: np.ndarray, k: int, rng: np.random.Generator, cosine: bool
 ) -> np.ndarray:
-    """Weighted k-means++ then 30 Lloyd iterations on the candidates (in the actor)."""
+    """Weighted greedy k-means++ then 30 Lloyd iterations on the candidates (in the actor).
+
+    Greedy: each pick draws ``2 + log k`` points by the k-means++ distribution and keeps
+    the one that lowers the weighted cost most. Plain k-means++ (MLlib's) often spends a
+    pick on a covered cluster once the covered ones together outweigh a missing one, and
+    Lloyd never splits the two clusters one centre then sits between.
+    """
     n = len(points)
     if n <= k:  # fewer candidates than centres: use them all (repeats stay empty)
         return np.array([points[i % n] for i in range(k)])
@@ -112,13 +118,19 @@ def _local_kmeans(
     first = rng.choice(n, p=weights / total) if total > 0 else rng.integers(n)
     centres[0] = points[first]
     cost = np.maximum(sq - 2 * points @ centres[0] + centres[0] @ centres[0], 0.0)
+    trials = 2 + int(math.log(k))
     for i in range(1, k):
         p = cost * weights
         s = p.sum()
-        j = rng.choice(n, p=p / s) if s > 0 else rng.integers(n)
-        centres[i] = points[j]
-        d = np.maximum(sq - 2 * points @ centres[i] + centres[i] @ centres[i], 0.0)
-        np.minimum(cost, d, out=cost)
+        if s > 0:
+            picks = rng.choice(n, size=trials, p=p / s)
+        else:  # every candidate is a centre already
+            picks = rng.integers(n, size=1)
+        d = np.maximum(sq[None, :] - 2 * points[picks] @ points.T + sq[picks][:, None], 0.0)
+        np.minimum(d, cost[None, :], out=d)
+        best = int(np.argmin(d @ weights))  # first of equals: deterministic
+        centres[i] = points[picks[best]]
+        cost = d[best]
     for _ in range(30):
         idx, _ = nearest_centres(points, sq, centres)
         moved = False
