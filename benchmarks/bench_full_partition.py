@@ -2,6 +2,7 @@
 
     python benchmarks/bench_full_partition.py                    # 10,000,000 rows, 2 cores
     python benchmarks/bench_full_partition.py --rows 2000000     # quicker
+    python benchmarks/bench_full_partition.py --only sort_column,map_batches --repeats 6
 
 One local SparkSession (``local[cores]``), one cached DataFrame of ``rows`` rows in
 ``partitions`` partitions (``id``, ``k = id % keys``, ``x`` uniform random), every
@@ -192,6 +193,9 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--driver-memory", default="6g")
+    ap.add_argument(
+        "--only", default=None, help="comma-separated variants, e.g. sort_column,map_batches"
+    )
     ap.add_argument("--out", default=str(HERE / "results" / "full_partition.json"))
     args = ap.parse_args()
 
@@ -268,6 +272,12 @@ def main() -> None:
                 None,
             ),
         }
+        if args.only:
+            wanted = [v.strip() for v in args.only.split(",") if v.strip()]
+            unknown = sorted(set(wanted) - set(pairs))
+            if unknown:
+                raise SystemExit(f"--only: unknown variants {unknown}; known: {sorted(pairs)}")
+            pairs = {name: pairs[name] for name in wanted}
         # correctness first
         ours_agg = sorted(
             tuple(r) for r in window.aggregate(CountSumRows(), "n long, t double").collect()
