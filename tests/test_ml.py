@@ -465,3 +465,10 @@ def test_bad_data_is_reported_clearly(spark, data):
             features_col=FEATURES, label_col="y", learning_rate=50.0, max_iter=200
         ).fit(df)
     assert isinstance(info.value.failures["coordinator"].cause, FloatingPointError)
+
+
+def test_kmeans_with_more_centres_than_rows_says_so(spark):
+    df = spark.range(30, numPartitions=2).selectExpr("cast(id as double) as a", "rand(1) as b")
+    for init in ("random", "k-means||"):
+        with pytest.raises(hi.DataValidationError, match="k=50 but the data has only 30 rows"):
+            ml.KMeans(features_col=["a", "b"], k=50, init_mode=init).fit(df)

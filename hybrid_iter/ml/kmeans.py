@@ -332,6 +332,10 @@ class _KMeansServer(CoordinatorOperator):
             self._publish(out, cand=self.cand)
         elif phase == WEIGHTS:
             weights = np.sum([a[2] for a in acc], axis=0)
+            if weights.sum() < self.k:  # every row counts towards one candidate
+                raise DataValidationError(
+                    f"k={self.k} but the data has only {int(weights.sum())} rows; lower k"
+                )
             rng = np.random.default_rng([self.seed, 1 << 21])
             self.centres = _local_kmeans(
                 self.cand[: self.n_cand], weights, self.k, rng, self.cosine
