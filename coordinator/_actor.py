@@ -547,10 +547,14 @@ class IterationCoordinator:
             "alignment_times": list(self._alignment_times),
             "last_loss": self._last_loss,
         }
-        new_outputs = self._outputs[self._saved_outputs :]
-        path = self._ckpt_store.save(epoch, data, new_outputs)
+        self._save_checkpoint(epoch, data, pending["started"])
+
+    def _save_checkpoint(self, epoch: int, data: dict[str, Any], started: float) -> None:
+        """Write ``data`` with the outputs not yet saved; record the path and seconds."""
+        assert self._ckpt_store is not None
+        path = self._ckpt_store.save(epoch, data, self._outputs[self._saved_outputs :])
         self._saved_outputs = len(self._outputs)
-        self.checkpoints.append((epoch, path, time.perf_counter() - pending["started"]))
+        self.checkpoints.append((epoch, path, time.perf_counter() - started))
 
     def _restore(self) -> bool:
         """Load the newest valid checkpoint; False when there is none."""

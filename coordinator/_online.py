@@ -145,9 +145,7 @@ class OnlineCoordinator(IterationCoordinator):
         }
         started = time.perf_counter()
         # keyed by the batch id: a replay rewrites the same file
-        path = self._ckpt_store.save(self.committed, data, self._outputs[self._saved_outputs :])
-        self._saved_outputs = len(self._outputs)
-        self.checkpoints.append((self.committed, path, time.perf_counter() - started))
+        self._save_checkpoint(self.committed, data, started)
 
     def _restore(self) -> bool:
         """Online state from the newest valid checkpoint (False when there is none)."""
