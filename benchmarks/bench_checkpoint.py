@@ -1,4 +1,5 @@
-"""Issue 5 benchmark: what checkpoints cost, and how long recovery from a task failure takes.
+"""Checkpoint cost (authenticated, issue 15) and recovery time after a task failure and a
+coordinator kill (issues 5 and 15).
 
     python benchmarks/bench_checkpoint.py
     python benchmarks/bench_checkpoint.py --epochs 20 --repeats 2   # quicker
@@ -11,7 +12,12 @@ model of M float64 values every epoch (M = 1,000 and 1,000,000):
   per-epoch overhead, and the coordinator's own timing of each checkpoint (collecting the
   subtasks' state, pickling, writing atomically with a checksum) is reported too.
 * ``recovery``: the same run with partition 1 failing at the middle epoch (checkpoints
-  every 5 epochs): extra wall time over the fault-free run with the same checkpoints.
+  every 5 epochs): extra wall time over the fault-free run with the same checkpoints;
+  and the same with the coordinator's process killed at the middle epoch (Ray restarts
+  it, it reloads the checkpoint, the stage is relaunched).
+* ``store``: the checkpoint file alone, side by side: the format before issue 15 (one
+  pickle + sha256) against the authenticated one (numeric arrays as .npy + HMAC-SHA256),
+  encoding and writing the same checkpoint dict to the same local disk.
 
 Writes JSON to benchmarks/results/checkpoint.json.
 """
@@ -19,12 +25,16 @@ Writes JSON to benchmarks/results/checkpoint.json.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import pickle
 import platform
 import shutil
 import statistics
+import struct
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +70,37 @@ def run(spark, size, epochs, **config):
     )
 
 
+def _old_format_save(directory: str, data: dict) -> None:
+    """The checkpoint file as written before issue 15: pickle, sha256, temp + rename."""
+    payload = pickle.dumps(data, protocol=5)
+    blob = b"HICKPT1\n" + hashlib.sha256(payload).digest() + struct.pack("<Q", len(payload))
+    tmp = os.path.join(directory, ".chk.tmp")
+    with open(tmp, "wb") as f:
+        f.write(blob + payload)
+    os.replace(tmp, os.path.join(directory, "chk-old.ckpt"))
+
+
+def store_cost(size: int, repeats: int) -> dict:
+    """Seconds to encode and write one checkpoint, old format vs authenticated."""
+    from coordinator import CheckpointStore
+
+    w = np.random.default_rng(0).standard_normal(size)
+    data = {"variables": {"w": w}, "version": 3, "main": ("object", pickle.dumps(Model()))}
+    d = tempfile.mkdtemp()
+    store = CheckpointStore(d, key=b"k" * 32, run_id="bench", keep_last=2)
+    old, new = [], []
+    for i in range(repeats + 1):  # the first of each is the warm-up
+        t = time.perf_counter()
+        _old_format_save(d, data)
+        old.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        store.save(i, data, [])
+        new.append(time.perf_counter() - t)
+    shutil.rmtree(d)
+    o, n = statistics.median(old[1:]), statistics.median(new[1:])
+    return {"old_s": o, "authenticated_s": n, "ratio": n / o}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1_000, 1_000_000])
@@ -68,7 +109,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results" / "checkpoint.json"))
     args = ap.parse_args()
     report: dict = {
-        "benchmark": "checkpoint cost and recovery (issue 5)",
+        "benchmark": "checkpoint cost and recovery (issues 5, 15)",
+        "note": "shared 2-core machine, other jobs running: noisy",
         "epochs": args.epochs,
         "repeats": args.repeats,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
@@ -77,6 +119,7 @@ def main() -> None:
     with hi.Session.local(parallelism=2) as session:
         for size in args.sizes:
             never, every, per_ckpt, clean_total, faulty_total = [], [], [], [], []
+            killed_total = []
             for _ in range(args.repeats):
                 r = run(session.spark, size, args.epochs)
                 never.append(statistics.median(r.epoch_seconds[1:]))
@@ -112,12 +155,26 @@ def main() -> None:
                 assert len(r.extra["attempts"]) == 1
                 faulty_total.append(r.seconds)
                 shutil.rmtree(d)
+                d = tempfile.mkdtemp()
+                r = run(
+                    session.spark,
+                    size,
+                    args.epochs,
+                    checkpoint=hi.CheckpointConfig(d, every_epochs=5),
+                    faults=hi.FaultInjection(kill_coordinator_at=args.epochs // 2 + 2),
+                )
+                assert r.extra["checkpoint"]["reconstructed"] is True
+                killed_total.append(r.seconds)
+                shutil.rmtree(d)
             m = {
                 "never_s_per_epoch": statistics.median(never),
                 "every_epoch_s_per_epoch": statistics.median(every),
                 "overhead_s_per_epoch": statistics.median(every) - statistics.median(never),
                 "coordinator_s_per_checkpoint": statistics.median(per_ckpt),
                 "recovery_s": statistics.median(faulty_total) - statistics.median(clean_total),
+                "coordinator_kill_recovery_s": statistics.median(killed_total)
+                - statistics.median(clean_total),
+                "store": store_cost(size, max(5, args.repeats * 3)),
                 "model_bytes": size * 8,
                 "runs": {
                     "never": never,
@@ -125,6 +182,7 @@ def main() -> None:
                     "per_ckpt": per_ckpt,
                     "clean_total": clean_total,
                     "faulty_total": faulty_total,
+                    "killed_total": killed_total,
                 },
             }
             report["models"][str(size)] = m
@@ -133,7 +191,11 @@ def main() -> None:
                 f"checkpoints, {m['every_epoch_s_per_epoch'] * 1e3:7.2f} with one every epoch "
                 f"(+{m['overhead_s_per_epoch'] * 1e3:.2f} ms; {m['coordinator_s_per_checkpoint'] * 1e3:.2f} "
                 f"ms per checkpoint in the coordinator); recovery from a task failure "
-                f"{m['recovery_s']:.2f} s",
+                f"{m['recovery_s']:.2f} s, from a coordinator kill "
+                f"{m['coordinator_kill_recovery_s']:.2f} s; checkpoint file alone: "
+                f"{m['store']['old_s'] * 1e3:.2f} ms before issue 15, "
+                f"{m['store']['authenticated_s'] * 1e3:.2f} ms authenticated "
+                f"(x{m['store']['ratio']:.2f})",
                 flush=True,
             )
     out = Path(args.out)

@@ -11,8 +11,17 @@ from ._actor import (
     CoordinatorContext,
     CoordinatorSpec,
     IterationCoordinator,
+    MissingCheckpoint,
+    UnpicklableOperator,
 )
-from ._checkpoint import CheckpointCorrupt, CheckpointStore, LoadedCheckpoint, fingerprint_mismatch
+from ._checkpoint import (
+    CheckpointCorrupt,
+    CheckpointStore,
+    ForeignCheckpoint,
+    LoadedCheckpoint,
+    checkpoint_key,
+    fingerprint_mismatch,
+)
 from ._errors import RemoteFailure, VariablesMismatchError
 from ._online import OnlineCoordinator
 from ._protocol import Emissions, OutputRecord, Progress, Reply, ResultData
@@ -29,8 +38,10 @@ __all__ = [
     "Emissions",
     "EpochCounts",
     "EpochStateMachine",
+    "ForeignCheckpoint",
     "IterationCoordinator",
     "LoadedCheckpoint",
+    "MissingCheckpoint",
     "OnlineCoordinator",
     "OutputRecord",
     "Progress",
@@ -40,10 +51,12 @@ __all__ = [
     "ResultData",
     "StateMachineError",
     "TerminationReason",
+    "UnpicklableOperator",
     "VariableSpec",
     "VariablesMismatchError",
     "VariablesPayload",
     "VariablesStore",
+    "checkpoint_key",
     "fingerprint_mismatch",
     "normalize_variables",
 ]

@@ -16,8 +16,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._checkpoint import CheckpointStore, fingerprint_mismatch
-from ._errors import RemoteFailure
+import numpy as np
+
+from ._checkpoint import CheckpointStore, ForeignCheckpoint, checkpoint_key, fingerprint_mismatch
+from ._cut import Cut, CutProtocol
+from ._errors import RemoteFailure, VariablesMismatchError
 from ._protocol import Emissions, OutputRecord, Progress, Reply, ResultData
 from ._state import EpochStateMachine, StateMachineError
 from ._variables import DEFAULT_INLINE_LIMIT, VariablesPayload, VariablesStore
@@ -27,7 +30,11 @@ __all__ = [
     "CoordinatorCollector",
     "CoordinatorContext",
     "CoordinatorSpec",
+    "FeedbackShapeMismatch",
     "IterationCoordinator",
+    "MissingCheckpoint",
+    "NonFiniteVariables",
+    "UnpicklableOperator",
 ]
 
 COORDINATOR = "coordinator"
@@ -67,6 +74,13 @@ class CheckpointSpec:
     fingerprint: Mapping[str, Any] = field(default_factory=dict)
     #: start from the newest valid checkpoint (a retry, or resume_from)
     restore: bool = False
+    #: the run this iteration is; a checkpoint of another run is refused
+    run_id: str = ""
+    #: the HMAC key authenticating the files (resolved on the driver: ``checkpoint_key``)
+    key: bytes = field(default_factory=checkpoint_key, repr=False)
+    #: a restore must find a checkpoint of at least this epoch (the driver saw it
+    #: written, or resumes from it); finding less is an error, never a silent restart
+    expect_epoch: int | None = None
 
 
 class CoordinatorContext:
@@ -117,6 +131,15 @@ class CoordinatorCollector:
 
     def publish_variables(self, **variables: Any) -> None:
         """Publish new values of some variables: the next epoch's broadcast to partitions."""
+        for name, value in variables.items():
+            arr = np.asarray(value)
+            if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
+                bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+                raise NonFiniteVariables(
+                    f"publish_variables({name}=...) at epoch {self._c.ctx.epoch} has {bad} "
+                    f"NaN/inf value(s) of {arr.size}; the update diverged (lower the learning "
+                    f"rate, scale the features) or its input had NaN"
+                )
         self._c.store.publish(variables)
         self._c.sm.record_coordinator(self._c.ctx.epoch, published=1)
 
@@ -160,7 +183,14 @@ class IterationCoordinator:
         self._out = CoordinatorCollector(self)
         self._listener_out = CoordinatorCollector(self, from_listener=True)
         self._waiters: dict[int, tuple[int, int, asyncio.Future[Reply]]] = {}
-        self._buffered: dict[int, dict[int, Emissions]] = {}
+        self._busy: tuple[str, int, float] | None = None
+        self._feedback_shapes: dict[int, tuple[int, tuple[int, ...]]] = {}
+        # fencing, sync buffering, the cut and the restore: pure logic (``_cut.py``)
+        self.cut = CutProtocol(
+            spec.num_subtasks,
+            sync=spec.staleness == 0,
+            every_epochs=spec.checkpoint.every_epochs if spec.checkpoint is not None else 0,
+        )
         self._final: dict[int, Emissions] = {}
         self._outputs: list[OutputRecord] = []
         self._alignment_times: list[float] = []
@@ -170,8 +200,6 @@ class IterationCoordinator:
         self._progress_waiters: list[asyncio.Future[None]] = []
         self._last_loss: Any = None
         self._closed = False
-        #: the launch whose calls are accepted (None until the driver opens one)
-        self._attempt: int | None = None
         self._stash: dict[int, bytes] = {}
         self._main = _Slot(self, None, per_round=spec.main_per_round)
         self._round = _Slot(self, None, per_round=True)
@@ -194,8 +222,8 @@ class IterationCoordinator:
                 )
             )
         self._ckpt_store: CheckpointStore | None = None
-        self._pending_ckpt: dict[str, Any] | None = None
-        self._restored: dict[int, tuple[int, bytes | None]] = {}
+        self._cut_started = 0.0
+        self._checkpointed = -1  # the newest checkpoint written or restored
         self._saved_outputs = 0
         self.checkpoints: list[tuple[int, str, float]] = []  # (epoch, path, seconds)
         self.restored_from: str | None = None
@@ -204,13 +232,29 @@ class IterationCoordinator:
         try:
             ck = spec.checkpoint
             if ck is not None:
-                self._ckpt_store = CheckpointStore(ck.uri, keep_last=ck.keep_last)
+                self._ckpt_store = CheckpointStore(
+                    ck.uri, keep_last=ck.keep_last, key=ck.key, run_id=ck.run_id
+                )
             if ck is not None and (ck.restore or self._reconstructed) and self._restore():
                 pass  # state, operators and listeners come from the checkpoint
             else:
+                if ck is not None and ck.expect_epoch is not None:
+                    raise MissingCheckpoint(
+                        f"the coordinator (on node {_node_ip()}) found no checkpoint in "
+                        f"{ck.uri!r}, but checkpoint {ck.expect_epoch} was written: the "
+                        f"path is not shared by every node (a node-local file:// path on a "
+                        f"multi-node cluster?); use shared storage (s3://, gs://, hdfs://, "
+                        f"or a mount every node sees)"
+                    )
                 self._main.open_all_round()
         except _UserCodeFailed:
             pass  # recorded: every call from now on answers with the failure
+        except (ForeignCheckpoint, MissingCheckpoint) as ex:  # never retried
+            self._record_failure(
+                RemoteFailure(
+                    COORDINATOR, None, "restoring a checkpoint", type(ex).__name__, str(ex), "", ex
+                )
+            )
         except Exception as ex:  # a checkpoint that cannot be used
             self._record_failure(
                 RemoteFailure.capture(
@@ -234,7 +278,7 @@ class IterationCoordinator:
         attempt: int = 0,
     ) -> Reply:
         """Subtask ``pid``'s call ``epoch``; returns when it may run that epoch (or stop)."""
-        if attempt != self._attempt:
+        if not self.cut.accepts(attempt):
             return self._stale_reply(epoch, attempt)
         if self._failures:
             return self._error_reply(epoch)
@@ -257,10 +301,7 @@ class IterationCoordinator:
                 # The loop is closed: feedback is no longer applied; outputs are kept.
                 for tag, value in emissions.outputs:
                     self.route_output(tag, max(epoch - 1, 0), pid, value, False)
-            elif self.spec.staleness == 0:
-                # Sync: apply in partition order at alignment, so results are deterministic.
-                self._buffered.setdefault(epoch, {})[pid] = emissions
-            else:
+            elif self.cut.on_report(pid, epoch, emissions):  # else held for alignment
                 self._apply_partition_emissions(pid, max(epoch - 1, 0), emissions)
             self._advance()
         except _UserCodeFailed:
@@ -270,7 +311,7 @@ class IterationCoordinator:
 
     async def finish(self, pid: int, emissions: Emissions, attempt: int = 0) -> None:
         """Subtask ``pid`` ran ``on_iteration_terminated``; ``emissions`` are its last."""
-        if self._failures or attempt != self._attempt:
+        if self._failures or not self.cut.accepts(attempt):
             return
         try:
             self._final[pid] = emissions
@@ -292,13 +333,22 @@ class IterationCoordinator:
 
     async def fail(self, failure: RemoteFailure, attempt: int = 0) -> None:
         """A subtask failed: stop everyone waiting, keep the failure for the driver."""
-        if attempt == self._attempt:  # a task of an earlier attempt dying is old news
+        if self.cut.accepts(attempt):  # a task of an earlier attempt dying is old news
             self._record_failure(failure)
 
     def begin_attempt(self, attempt: int) -> None:
         """Accept calls of launch ``attempt`` only: tasks of an earlier launch that are
         still dying must not disturb a coordinator restored for the next one."""
-        self._attempt = attempt
+        self.cut.begin_attempt(attempt)
+
+    @property
+    def _attempt(self) -> int | None:
+        """The launch whose calls are accepted (None until the driver opens one)."""
+        return self.cut.attempt
+
+    @_attempt.setter
+    def _attempt(self, attempt: int) -> None:
+        self.cut.begin_attempt(attempt)
 
     def _stale_reply(self, epoch: int, attempt: int) -> Reply:
         stale = RemoteFailure(
@@ -306,29 +356,39 @@ class IterationCoordinator:
             epoch,
             "fencing",
             "StaleAttempt",
-            f"a call of launch {attempt} reached the coordinator of launch {self._attempt}",
+            f"a call of launch {attempt} reached the coordinator of launch {self.cut.attempt}",
             "",
         )
         return Reply(epoch, True, self.sm.aligned, None, stale)
 
     async def checkpoint_state(
-        self, pid: int, epoch: int, known_version: int, state: bytes | None, attempt: int = 0
+        self, pid: int, epoch: int, known_version: int, state: Any, attempt: int = 0
     ) -> Reply:
-        """Subtask ``pid``'s state for the pending checkpoint; it waits in call ``epoch``."""
-        if attempt != self._attempt:
+        """Subtask ``pid``'s state for the pending checkpoint; it waits in call ``epoch``
+        having processed variables ``known_version``."""
+        if not self.cut.accepts(attempt):
             return self._stale_reply(epoch, attempt)
         if self._failures:
             return self._error_reply(epoch)
         future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._waiters[pid] = (epoch, known_version, future)
-        if self._pending_ckpt is not None:
-            self._pending_ckpt["states"][pid] = (epoch, state)
+        self.cut.on_state(pid, epoch, known_version, state)
         self._release()
         return await future
 
-    async def restored(self, pid: int) -> tuple[int, bytes | None] | None:
-        """What subtask ``pid`` restores: ``(the call to make again, its state)``."""
-        return self._restored.get(pid)
+    async def restored(self, pid: int) -> tuple[int, int, Any] | None:
+        """What subtask ``pid`` restores: ``(the call to make again, the variables
+        version it had processed, its state)``; None when it starts from scratch."""
+        got = self.cut.instruction(pid)
+        return None if got is None else (got.call, got.known_version, got.state)
+
+    async def busy(self) -> tuple[str, int, float] | None:
+        """The user call the actor is in, if any: ``(operator.method, epoch, seconds)``.
+
+        The driver calls it in the ``watch`` concurrency group (its own event loop
+        thread), so it answers while the main loop is stuck in a coordinator operator."""
+        busy = self._busy
+        return None if busy is None else (busy[0], busy[1], time.monotonic() - busy[2])
 
     async def wake(self) -> None:
         """Answer the driver's pending progress poll now (its Spark job just ended)."""
@@ -368,6 +428,7 @@ class IterationCoordinator:
             failed=bool(self._failures),
             subtask_epochs=tuple(max(c, 0) for c in self.sm.last_call),
             rows=sum(self._rows),
+            checkpointed=self._checkpointed,
         )
 
     def result(self) -> ResultData:
@@ -392,7 +453,7 @@ class IterationCoordinator:
 
     def _advance(self) -> None:
         while (k := self.sm.next_alignment()) is not None:
-            for pid, em in sorted(self._buffered.pop(k, {}).items()):
+            for pid, em in self.cut.aligned(k):
                 self._apply_partition_emissions(pid, max(k - 1, 0), em)
             if k >= 1:
                 self._coordinator_watermark(k - 1)
@@ -415,20 +476,35 @@ class IterationCoordinator:
             reason = self.sm.complete_alignment(k)
             if k == self.spec.kill_at_alignment and not self._reconstructed:
                 os._exit(17)  # fault injection: the coordinator's process dies here
-            ck = self.spec.checkpoint
-            if (
-                reason is None
-                and ck is not None
-                and k >= 1
-                and ck.every_epochs
-                and k % ck.every_epochs == 0
-            ):
-                self._pending_ckpt = {"epoch": k, "states": {}, "started": time.perf_counter()}
-            elif reason is not None:
-                self._pending_ckpt = None
+            if self.cut.after_alignment(k, terminated=reason is not None):
+                self._cut_started = time.perf_counter()
             self._notify_progress()
 
+    def _check_feedback_shapes(self, pid: int, epoch: int, values: Sequence[Any]) -> None:
+        """The i-th array a partition feeds back must have the shape of the first
+        partition's i-th: summing (3,) and (1, 3) broadcasts to a silent wrong answer."""
+        for i, value in enumerate(values):
+            if not isinstance(value, np.ndarray):
+                continue
+            first = self._feedback_shapes.setdefault(i, (pid, value.shape))
+            if first[1] != value.shape:
+                self._record_failure(
+                    RemoteFailure.capture(
+                        FeedbackShapeMismatch(
+                            f"partition {pid} fed back an array of shape {value.shape} as its "
+                            f"feedback record #{i} at epoch {epoch}, but partition {first[0]} "
+                            f"fed back shape {first[1]}: every partition must feed back "
+                            f"arrays of the same shape (a sum would broadcast them)"
+                        ),
+                        source=pid,
+                        epoch=epoch,
+                        where="feedback",
+                    )
+                )
+                raise _UserCodeFailed
+
     def _apply_partition_emissions(self, pid: int, epoch: int, em: Emissions) -> None:
+        self._check_feedback_shapes(pid, epoch, em.feedback)
         self._feedback_counts[pid] += em.feedback_count
         self.ctx.epoch = epoch
         self.ctx.source_partition = pid
@@ -491,14 +567,18 @@ class IterationCoordinator:
         fn = getattr(obj, method, None)
         if fn is None:
             return None
+        label = f"{type(obj).__name__}.{method}"
+        # read by ``busy()`` from another thread while this one may be stuck in user code
+        self._busy = (label, self.ctx.epoch, time.monotonic())
         try:
             return fn(*args)
         except Exception as ex:
-            label = f"{type(obj).__name__}.{method}"
             self._record_failure(
                 RemoteFailure.capture(ex, source=COORDINATOR, epoch=self.ctx.epoch, where=label)
             )
             raise _UserCodeFailed from ex
+        finally:
+            self._busy = None
 
     def _record_failure(self, failure: RemoteFailure) -> None:
         self._failures.append(failure)
@@ -522,15 +602,22 @@ class IterationCoordinator:
 
         if hasattr(op, "snapshot_state") and _overrides(op, "snapshot_state"):
             return "state", cloudpickle.dumps(self._user_call(op, "snapshot_state"))
-        return "object", cloudpickle.dumps(op)
+        try:
+            return "object", cloudpickle.dumps(op)
+        except Exception as ex:
+            raise UnpicklableOperator(
+                f"the coordinator operator {type(op).__name__} cannot be pickled for a "
+                f"checkpoint ({type(ex).__name__}: {ex}); define snapshot_state() and "
+                f"restore_state() on it, or drop what cannot be pickled"
+            ) from ex
 
     def _write_checkpoint(self) -> None:
         import cloudpickle
 
-        assert self._pending_ckpt is not None and self._ckpt_store is not None
-        pending, self._pending_ckpt = self._pending_ckpt, None
-        epoch = pending["epoch"]
-        calls = {pid: call for pid, (call, _) in pending["states"].items()}
+        assert self._ckpt_store is not None and self.spec.checkpoint is not None
+        cut = self.cut.take()
+        epoch = cut.epoch
+        calls = {pid: s.call for pid, s in cut.subtasks.items()}
         main = self._main.alive()
         data = {
             "fingerprint": dict(self.spec.checkpoint.fingerprint),
@@ -541,13 +628,13 @@ class IterationCoordinator:
             "publishes": self.store.publishes,
             "main": self._dump_operator(main) if main is not None else None,
             "listeners": cloudpickle.dumps(list(self._listeners)),
-            "partitions": dict(pending["states"]),
+            "cut": cut.to_plain(),
             "feedback_counts": list(self._feedback_counts),
             "rows": list(self._rows),
             "alignment_times": list(self._alignment_times),
             "last_loss": self._last_loss,
         }
-        self._save_checkpoint(epoch, data, pending["started"])
+        self._save_checkpoint(epoch, data, self._cut_started)
 
     def _save_checkpoint(self, epoch: int, data: dict[str, Any], started: float) -> None:
         """Write ``data`` with the outputs not yet saved; record the path and seconds."""
@@ -555,6 +642,7 @@ class IterationCoordinator:
         path = self._ckpt_store.save(epoch, data, self._outputs[self._saved_outputs :])
         self._saved_outputs = len(self._outputs)
         self.checkpoints.append((epoch, path, time.perf_counter() - started))
+        self._checkpointed = epoch
 
     def _restore(self) -> bool:
         """Load the newest valid checkpoint; False when there is none."""
@@ -571,6 +659,14 @@ class IterationCoordinator:
                 + self._ckpt_store.uri
                 + ": "
                 + "; ".join(f"{p}: {why}" for p, why in loaded.skipped)
+            )
+        expect = self.spec.checkpoint.expect_epoch
+        if expect is not None and loaded.epoch < expect:
+            raise MissingCheckpoint(
+                f"the coordinator (on node {_node_ip()}) found checkpoint {loaded.epoch} in "
+                f"{self._ckpt_store.uri!r} as the newest valid one, but checkpoint {expect} "
+                f"was written: the path is not shared by every node, or newer files were "
+                f"lost ({'; '.join(f'{p}: {w}' for p, w in loaded.skipped) or 'none skipped'})"
             )
         data = loaded.data
         mismatch = fingerprint_mismatch(
@@ -593,14 +689,16 @@ class IterationCoordinator:
             else:
                 self._main.adopt(cloudpickle.loads(blob))
         self._listeners = cloudpickle.loads(data["listeners"])
-        self._restored = dict(data["partitions"])
+        self.cut.restore(Cut.from_plain(data["cut"]))
         self._feedback_counts = list(data["feedback_counts"])
         self._rows = list(data["rows"])
         self._alignment_times = list(data["alignment_times"])
         self._last_loss = data["last_loss"]
         self._outputs = list(self._ckpt_store.outputs_until(loaded.epoch))
+        self.skipped_checkpoints += self._ckpt_store.skipped_outputs
         self._saved_outputs = len(self._outputs)
         self.restored_from = loaded.path
+        self._checkpointed = loaded.epoch
         return True
 
     def checkpoint_info(self) -> dict[str, Any]:
@@ -614,16 +712,15 @@ class IterationCoordinator:
     def _release(self) -> None:
         if self._failures:
             return
-        if self._pending_ckpt is not None:
+        if self.cut.cutting is not None:
             if self.sm.terminated is not None:
-                self._pending_ckpt = None  # nothing to resume any more
+                self.cut.abandon()  # nothing to resume any more
             else:
-                states = self._pending_ckpt["states"]
-                for pid in [p for p in self._waiters if p not in states]:
+                for pid in self.cut.ask_state(list(self._waiters)):
                     epoch, _, future = self._waiters.pop(pid)
                     if not future.done():  # it answers with its state and waits there
                         future.set_result(Reply(epoch, False, self.sm.aligned, need_state=True))
-                if len(states) < self.spec.num_subtasks:
+                if not self.cut.complete:
                     return  # hold everyone until every subtask's state is in
                 try:
                     self._write_checkpoint()
@@ -657,6 +754,31 @@ class _UserCodeFailed(Exception):
     """Internal: user code raised; the failure is already recorded."""
 
 
+class NonFiniteVariables(VariablesMismatchError):
+    """``publish_variables`` with NaN or infinite values."""
+
+
+class FeedbackShapeMismatch(VariablesMismatchError):
+    """Partitions fed back arrays of different shapes (a sum would broadcast them)."""
+
+
+class UnpicklableOperator(TypeError):
+    """An operator without snapshot_state() that cannot be pickled into a checkpoint."""
+
+
+class MissingCheckpoint(RuntimeError):
+    """A restore did not find the checkpoint it must find (a node-local path?)."""
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "local"
+    except Exception:
+        return "unknown"
+
+
 def _was_reconstructed() -> bool:
     """True in an actor that Ray restarted after its process died."""
     try:
@@ -664,10 +786,12 @@ def _was_reconstructed() -> bool:
 
         import ray
 
+        if not ray.is_initialized():  # get_runtime_context() would start a Ray instance
+            return False
         with warnings.catch_warnings():  # Ray flags the property deprecated, with no successor
             warnings.simplefilter("ignore")
             ctx = ray.get_runtime_context()
-            return bool(ray.is_initialized() and ctx.was_current_actor_reconstructed)
+            return bool(ctx.get_actor_id() and ctx.was_current_actor_reconstructed)
     except Exception:
         return False
 

@@ -68,6 +68,8 @@ class Progress:
     subtask_epochs: tuple[int, ...] = ()
     #: rows every data stream loaded, in total (once loaded)
     rows: int = 0
+    #: the newest checkpoint epoch written or restored (-1: none)
+    checkpointed: int = -1
 
 
 @dataclass(frozen=True)

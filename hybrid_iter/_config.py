@@ -46,12 +46,16 @@ class CheckpointConfig:
     Every ``every_epochs`` global alignments the coordinator writes a consistent cut
     (variables, epoch, its state machine, the coordinator operator, every partition
     operator's ``snapshot_state()``) to ``path`` (a local path or any ``pyarrow.fs`` URI),
-    atomically and checksummed, keeping the newest ``keep_last``.
+    atomically and authenticated (docs/fault_tolerance.md), keeping the newest
+    ``keep_last``. On a multi-node Ray cluster a local path or ``file://`` URI is refused
+    (it would be a different disk on every node) unless ``shared_filesystem=True``
+    declares a mount every node sees at the same path.
     """
 
     path: str
     every_epochs: int = 1
     keep_last: int = 2
+    shared_filesystem: bool = False
 
     def __post_init__(self) -> None:
         _check_uri("CheckpointConfig.path", self.path)
@@ -62,6 +66,11 @@ class CheckpointConfig:
         if not _is_int(self.keep_last) or self.keep_last < 1:
             raise IterationConfigError(
                 f"CheckpointConfig.keep_last must be an int >= 1, got {self.keep_last!r}"
+            )
+        if not isinstance(self.shared_filesystem, bool):
+            raise IterationConfigError(
+                f"CheckpointConfig.shared_filesystem must be True or False, got "
+                f"{self.shared_filesystem!r}"
             )
 
 
@@ -116,6 +125,10 @@ class IterationConfig:
       restores the newest checkpoint (or starts over without one). ``None``: 3 with
       checkpoints, 0 without.
     * ``faults``: a ``FaultInjection`` for tests.
+    * ``call_timeout``: seconds a partition operator, a coordinator operator or a
+      subtask step may make no progress before the run fails with
+      ``IterationFailedError`` naming the partition or operator, the method and the
+      epoch (default 600; raise it for callbacks that legitimately take longer).
     """
 
     staleness: int | None = 0
@@ -130,6 +143,7 @@ class IterationConfig:
     resume_from: str | None = None
     max_restarts: int | None = None
     faults: FaultInjection | None = None
+    call_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         if self.staleness is not None and (not _is_int(self.staleness) or self.staleness < 0):
@@ -177,6 +191,15 @@ class IterationConfig:
             )
         if self.faults is not None and not isinstance(self.faults, FaultInjection):
             raise IterationConfigError("IterationConfig.faults must be a FaultInjection")
+        if (
+            isinstance(self.call_timeout, bool)
+            or not isinstance(self.call_timeout, (int, float))
+            or not 0 < self.call_timeout < float("inf")
+        ):
+            raise IterationConfigError(
+                f"IterationConfig.call_timeout must be a finite number of seconds > 0, got "
+                f"{self.call_timeout!r}; raise it for callbacks that legitimately take long"
+            )
 
     @property
     def restarts(self) -> int:

@@ -8,20 +8,29 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import inspect
 import itertools
 import logging
+import pickle
 import threading
 import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from coordinator import (
     CheckpointSpec,
     CheckpointStore,
     CoordinatorSpec,
+    ForeignCheckpoint,
     IterationCoordinator,
+    MissingCheckpoint,
     RemoteFailure,
+    UnpicklableOperator,
+    checkpoint_key,
     fingerprint_mismatch,
     normalize_variables,
 )
@@ -95,6 +104,12 @@ def _validate(
         variables = normalize_variables(init_variables, what="init_variables")
     except TypeError as ex:
         raise IterationConfigError(str(ex)) from ex
+    for key, value in variables.items():
+        if value.dtype.kind in "fc" and not np.isfinite(value).all():
+            raise IterationConfigError(
+                f"init_variables[{key!r}] has NaN/inf values; start from finite values "
+                f"(e.g. np.zeros)"
+            )
     for i, stream in enumerate(data_streams.streams):
         stream.validate(i)
         if num_partitions(stream.df) == 0:
@@ -201,13 +216,13 @@ def iterate_bounded_streams_until_termination(
     )
     address = _ray_address(spark)
     per_round = config.operator_lifecycle is OperatorLifecycle.PER_ROUND
-    checkpoint = _checkpoint_spec(config, body, streams, variables, n)
 
     import ray
 
     from ._ray_util import connect
 
     connect(address, namespace=NAMESPACE)
+    checkpoint = _checkpoint_spec(config, body, streams, variables, n, _alive_nodes())
     name = f"hybrid_iter.{config.name or 'iteration'}.{uuid.uuid4().hex[:12]}"
     faults = config.faults or FaultInjection()
     spec = CoordinatorSpec(
@@ -241,6 +256,7 @@ def iterate_bounded_streams_until_termination(
             if faults.fail_partition is not None
             else None
         ),
+        call_timeout=float(config.call_timeout),
     )
     # Every subtask waits in one call at a time, plus the driver's progress poll: an
     # async actor answering more calls than max_concurrency at once would deadlock. With
@@ -251,10 +267,15 @@ def iterate_bounded_streams_until_termination(
         max_restarts=config.restarts if checkpoint is not None else 0,
         max_task_retries=0,
         max_concurrency=max(1000, n + 16),
+        # ``busy`` answers on its own event loop thread while the main one is stuck in
+        # a coordinator operator (the driver's call_timeout watchdog asks it)
+        concurrency_groups={"watch": 1},
     )(IterationCoordinator)
     extra: dict[str, Any] = {"attempts": []}
     attempt, actor, actor_name = 0, None, name
     restore = config.resume_from is not None
+    # the newest checkpoint known to exist: a restore that finds less fails loudly
+    expect = checkpoint.expect_epoch if checkpoint is not None else None
     try:
         while True:
             if actor is None:
@@ -262,7 +283,8 @@ def iterate_bounded_streams_until_termination(
                 actor = actor_cls.options(name=actor_name, namespace=NAMESPACE).remote(
                     dataclasses.replace(
                         spec,
-                        checkpoint=checkpoint and dataclasses.replace(checkpoint, restore=restore),
+                        checkpoint=checkpoint
+                        and dataclasses.replace(checkpoint, restore=restore, expect_epoch=expect),
                         kill_at_alignment=spec.kill_at_alignment if attempt == 0 else None,
                     )
                 )
@@ -284,6 +306,8 @@ def iterate_bounded_streams_until_termination(
                 extra["checkpoint"] = _call(actor, "checkpoint_info")
                 break
             except BaseException as ex:
+                if monitor.checkpointed >= 0:
+                    expect = max(expect or 0, monitor.checkpointed)
                 if attempt >= config.restarts or not _retryable(ex):
                     raise
                 extra["attempts"].append(
@@ -299,7 +323,9 @@ def iterate_bounded_streams_until_termination(
                 )
                 attempt += 1
                 restore = checkpoint is not None
-                if not _restarted_by_ray(actor):
+                if _restarted_by_ray(actor):
+                    _check_restored(actor, expect, checkpoint)
+                else:
                     _kill(actor, name)
                     actor = None
     finally:
@@ -361,27 +387,65 @@ def _restarted_by_ray(actor: Any) -> bool:
             return False  # dead for good (or never restartable)
 
 
+def _check_restored(actor: Any, expect: int | None, checkpoint: CheckpointSpec | None) -> None:
+    """A coordinator Ray restarted must have reloaded the newest checkpoint the driver
+    saw written; anything older means its node cannot see the files."""
+    if expect is None or checkpoint is None:
+        return
+    info = _call(actor, "checkpoint_info")
+    path = info.get("restored_from") or ""
+    got = int(path[-15:-5]) if path.endswith(".ckpt") else -1
+    if got < expect:
+        raise IterationFailedError(
+            f"the coordinator was restarted by Ray but found "
+            f"{'checkpoint ' + str(got) if got >= 0 else 'no checkpoint'} in "
+            f"{checkpoint.uri!r} although checkpoint {expect} was written: the checkpoint path "
+            f"is not visible on the node it was restarted on; use storage every node shares "
+            f"(s3://, gs://, hdfs://, or a shared mount with "
+            f"CheckpointConfig(shared_filesystem=True))",
+            {},
+        )
+
+
+#: failures that a relaunch would meet again
+_FATAL = (
+    VariablesMismatchError,
+    IterationConfigError,
+    ForeignCheckpoint,
+    MissingCheckpoint,
+    UnpicklableOperator,
+)
+
+
 def _retryable(ex: BaseException) -> bool:
     """Bad input fails the same way again; anything else may be transient."""
     if isinstance(ex, (IterationConfigError, DataValidationError, KeyboardInterrupt, SystemExit)):
         return False
     if isinstance(ex, IterationFailedError):
-        return not any(
-            isinstance(getattr(f, "cause", None), (VariablesMismatchError, IterationConfigError))
-            for f in ex.failures.values()
-        )
+        if "was restarted by Ray but found" in ex.message:
+            return False
+        if any(getattr(f, "type_name", "") == "CallTimeout" for f in ex.failures.values()):
+            return False  # a callback that blocks would block again
+        return not any(isinstance(getattr(f, "cause", None), _FATAL) for f in ex.failures.values())
     return True
 
 
 def _fingerprint(
-    body: IterationBody, streams: ReplayableDataStreamList, variables: Mapping[str, Any], n: int
+    body: IterationBody,
+    streams: ReplayableDataStreamList,
+    variables: Mapping[str, Any],
+    n: int,
+    config: IterationConfig | None = None,
 ) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed by this iteration."""
+    """What a checkpoint must match to be resumed by this iteration. With ``config``
+    (bounded runs) also digests of the body (operator classes' source and pickled
+    attributes), of the initial variables' values and of the config fields that change
+    the result: a resume with another learning rate or other initial values is refused."""
 
     def name(obj: Any) -> str | None:
         return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
 
-    return {
+    out: dict[str, Any] = {
         "variables": {k: (tuple(v.shape), str(v.dtype)) for k, v in sorted(variables.items())},
         "partition_operator": name(body.partition),
         "coordinator_operator": name(body.coordinator),
@@ -389,6 +453,76 @@ def _fingerprint(
         "data_streams": len(streams),
         "subtasks": n,
     }
+    if config is not None:
+        ops = {
+            "partition": body.partition,
+            "coordinator": body.coordinator,
+            "per_round_partition": body.per_round_partition,
+            "per_round_coordinator": body.per_round_coordinator,
+        }
+        ops.update({f"listener{i}": x for i, x in enumerate(body.coordinator_listeners)})
+        out["body"] = {k: _digest_operator(op).hex()[:16] for k, op in ops.items()}
+        h = hashlib.sha256()
+        for k, v in sorted(variables.items()):
+            h.update(f"{k}|{v.dtype.str}|{v.shape}|".encode())
+            h.update(np.ascontiguousarray(v).tobytes())
+        out["init_variables"] = h.hexdigest()[:16]
+        out["config"] = {
+            "staleness": config.staleness,
+            "operator_lifecycle": str(config.operator_lifecycle.value),
+            "replayed": list(streams.replayed),
+        }
+    return out
+
+
+def _digest_operator(op: Any) -> bytes:
+    """A digest of one operator that is stable across processes (cloudpickle's bytes
+    are not: they carry per-process class ids): its class, the class's source, and
+    each attribute pickled by value where plain pickle can, else its type."""
+    if op is None:
+        return b"-"
+    h = hashlib.sha256(f"{type(op).__module__}.{type(op).__qualname__}".encode())
+    for klass in type(op).__mro__:
+        if klass.__module__.split(".")[0] in ("builtins", "hybrid_iter"):
+            continue
+        try:
+            h.update(inspect.getsource(klass).encode())
+        except (OSError, TypeError):
+            h.update(klass.__qualname__.encode())
+    for key, value in sorted(getattr(op, "__dict__", {}).items()):
+        h.update(key.encode())
+        try:
+            h.update(pickle.dumps(value, protocol=4))
+        except Exception:
+            h.update(f"{type(value).__module__}.{type(value).__qualname__}".encode())
+    return h.digest()
+
+
+def node_local_refusal(uri: str, alive_nodes: int, shared_filesystem: bool) -> str | None:
+    """Why a checkpoint path cannot be used on this cluster (None: it can). Pure.
+
+    A ``file://`` URI or a plain path lands on the disk of whichever node runs the
+    coordinator; on a multi-node cluster a coordinator restarted elsewhere would not
+    find it, and the driver's checks would read another disk."""
+    local = "://" not in uri or uri.startswith("file://")
+    if not local or alive_nodes <= 1 or shared_filesystem:
+        return None
+    return (
+        f"checkpoint path {uri!r} is node-local, and the Ray cluster has {alive_nodes} nodes: "
+        f"checkpoints would land on whichever node runs the coordinator, and a coordinator "
+        f"restarted on another node (or the driver) would not find them. Use storage every "
+        f"node shares (s3://, gs://, hdfs://), or, for a mount every node sees at the same "
+        f"path (NFS, ...), declare it with CheckpointConfig(path, shared_filesystem=True)"
+    )
+
+
+def _alive_nodes() -> int:
+    import ray
+
+    try:
+        return sum(1 for node in ray.nodes() if node.get("Alive"))
+    except Exception:  # cannot tell: assume one node (the check errs on the safe side below)
+        return 1
 
 
 def _checkpoint_spec(
@@ -397,11 +531,19 @@ def _checkpoint_spec(
     streams: ReplayableDataStreamList,
     variables: Mapping[str, Any],
     n: int,
+    alive_nodes: int = 1,
 ) -> CheckpointSpec | None:
     """Check the checkpoint settings before any job; the actor's CheckpointSpec."""
     ck = config.checkpoint
     if ck is None and config.resume_from is None:
         return None
+    uri = ck.path if ck is not None else config.resume_from
+    assert uri is not None
+    refusal = node_local_refusal(
+        uri, alive_nodes, bool(ck is not None and getattr(ck, "shared_filesystem", False))
+    )
+    if refusal:
+        raise IterationConfigError(refusal)
     if streams.any_replayed:
         raise IterationConfigError(
             "checkpoints and resume_from are not supported with replayed streams yet: an "
@@ -413,16 +555,21 @@ def _checkpoint_spec(
             f"resume_from={config.resume_from!r} and CheckpointConfig.path={ck.path!r} differ; "
             f"a resumed iteration continues writing checkpoints where it resumes from"
         )
-    fingerprint = _fingerprint(body, streams, variables, n)
-    store = CheckpointStore(
-        ck.path if ck is not None else config.resume_from, keep_last=ck.keep_last if ck else 2
-    )
+    fingerprint = _fingerprint(body, streams, variables, n, config)
+    try:
+        key = checkpoint_key()
+    except ValueError as ex:
+        raise IterationConfigError(str(ex)) from None
+    store = CheckpointStore(uri, keep_last=ck.keep_last if ck else 2, key=key)
+    run_id, expect = uuid.uuid4().hex[:16], None
     if config.resume_from is None:
-        if store.checkpoint_epochs():
+        if store.holds_files():
+            other = store.peek_run_id()
             raise IterationConfigError(
-                f"CheckpointConfig.path {ck.path!r} already holds checkpoints of a run; resume "
-                f"it with IterationConfig(resume_from={ck.path!r}) or use an empty directory "
-                f"(nothing there is overwritten)"
+                f"CheckpointConfig.path {uri!r} already holds checkpoints of "
+                f"{'run ' + repr(other) if other else 'a run'}; resume it with "
+                f"IterationConfig(resume_from={uri!r}) or use an empty directory (nothing "
+                f"there is overwritten)"
             )
     else:
         loaded = store.load_latest()
@@ -437,14 +584,18 @@ def _checkpoint_spec(
         mismatch = fingerprint_mismatch(loaded.data.get("fingerprint", {}), fingerprint)
         if mismatch:
             raise IterationConfigError(
-                f"checkpoint {loaded.path} is of another iteration and cannot be resumed "
-                f"here: {mismatch}"
+                f"checkpoint {loaded.path} is of another iteration (run {loaded.run_id!r}) and "
+                f"cannot be resumed by this one (a new run): {mismatch}"
             )
+        run_id, expect = loaded.run_id, loaded.epoch  # this run continues that one
     return CheckpointSpec(
         uri=store.uri,
         every_epochs=ck.every_epochs if ck is not None else 0,
         keep_last=ck.keep_last if ck is not None else 2,
         fingerprint=fingerprint,
+        run_id=run_id,
+        key=key,
+        expect_epoch=expect,
     )
 
 
@@ -477,11 +628,14 @@ class _Monitor:
 
     def __init__(self, actor: Any, sc: Any, name: str, config: IterationConfig, n: int) -> None:
         self.actor, self.sc, self.name, self.n = actor, sc, name, n
+        self.call_timeout = float(config.call_timeout)
         self.printer = ProgressPrinter(config.progress, label=config.name or config.mode)
         self.results: list[bytes] = []
         self.error: BaseException | None = None
         self.jobs = 0
         self._seen = -1
+        #: the newest checkpoint the coordinator reported written
+        self.checkpointed = -1
 
     def run(self, job: Any) -> None:
         """Run ``job()`` (a Spark job returning the subtasks' summaries) to its end."""
@@ -501,12 +655,20 @@ class _Monitor:
         thread = threading.Thread(target=target, name=f"{self.name}-job{self.jobs}", daemon=True)
         self.jobs += 1
         try:
-            if ray.get(self.actor.progress.remote()).failed:
+            if ray.get(self.actor.progress.remote(), timeout=self.call_timeout).failed:
                 return  # the coordinator could not start: no job
             thread.start()
+            answered = time.monotonic()
             while thread.is_alive():
                 try:
-                    p = ray.get(self.actor.wait_progress.remote(self._seen, 0.5))
+                    p = ray.get(
+                        self.actor.wait_progress.remote(self._seen, 0.5),
+                        timeout=min(30.0, self.call_timeout),
+                    )
+                    answered = time.monotonic()
+                except ray.exceptions.GetTimeoutError:
+                    self._check_stuck(time.monotonic() - answered)
+                    continue
                 except ray.exceptions.RayActorError as ex:
                     # the coordinator died: tasks cannot go on; stop them, report it
                     self.sc.cancelJobGroup(self.name)
@@ -516,6 +678,7 @@ class _Monitor:
                     ) from ex
                 self.printer.update(p)
                 self._seen = p.aligned
+                self.checkpointed = max(self.checkpointed, p.checkpointed)
                 if p.failed:
                     self.sc.cancelJobGroup(self.name)  # tasks stuck in user code must not hang us
                 if p.done or p.failed:
@@ -530,6 +693,40 @@ class _Monitor:
         if "error" in outcome:
             self.error = outcome["error"]
             self._raise_if_failed()
+
+    def _check_stuck(self, silent: float) -> None:
+        """The coordinator did not answer a progress poll: ask (on its ``watch`` thread)
+        whether a coordinator operator is stuck; fail the run past ``call_timeout``."""
+        import ray
+
+        try:
+            busy = ray.get(self.actor.busy.options(concurrency_group="watch").remote(), timeout=30)
+        except ray.exceptions.GetTimeoutError:
+            busy = None
+        if busy is not None and busy[2] >= self.call_timeout:
+            label, epoch, seconds = busy
+            message = (
+                f"the coordinator operator made no progress for {seconds:.0f} s in {label} at "
+                f"epoch {epoch} (IterationConfig(call_timeout={self.call_timeout:g})): a "
+                f"callback that blocks, or one that needs a larger call_timeout"
+            )
+        elif silent >= self.call_timeout + 60:
+            message = (
+                f"the coordinator actor did not answer for {silent:.0f} s "
+                f"(IterationConfig(call_timeout={self.call_timeout:g}))"
+            )
+        else:
+            return
+        self.sc.cancelJobGroup(self.name)
+        failure = RemoteFailure(
+            "coordinator",
+            busy[1] if busy else None,
+            busy[0] if busy else "coordinator actor",
+            "CallTimeout",
+            message,
+            "",
+        )
+        raise IterationFailedError(f"the iteration failed: {message}", {"coordinator": failure})
 
     def closed(self) -> bool:
         import ray

@@ -14,6 +14,8 @@ Runs inside a Spark Python worker. Two ways to run a subtask, one code path:
 from __future__ import annotations
 
 import pickle
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +56,8 @@ class TaskPlan:
     #: fault injection for tests: ``(partition, epoch, attempt)`` raises before that
     #: partition's watermark callback of that epoch, on that attempt
     fail_at: tuple[int, int, int] | None = None
+    #: seconds a step of this subtask may make no progress (``IterationConfig``)
+    call_timeout: float = 600.0
 
 
 class PartitionContext:
@@ -155,12 +159,23 @@ def _check_batch(plan: TaskPlan, stream: int, batch: pa.RecordBatch, pid: int) -
             raise DataValidationError(
                 f"data stream {stream}: column {name!r} is missing in partition {pid}"
             )
-        nulls = batch.column(idx).null_count
+        column = batch.column(idx)
+        nulls = column.null_count
         if nulls:
             raise DataValidationError(
                 f"data stream {stream}: numeric column {name!r} has {nulls} null value(s) "
                 f"in partition {pid}; drop or fill them first (df.na.drop(subset=[{name!r}]))"
             )
+        if pa.types.is_floating(column.type):
+            values = column.to_numpy(zero_copy_only=False)
+            finite = np.isfinite(values)
+            if not finite.all():
+                raise DataValidationError(
+                    f"data stream {stream}: numeric column {name!r} has "
+                    f"{int(finite.size - np.count_nonzero(finite))} NaN/inf value(s) in "
+                    f"partition {pid}; drop them first (df.filter(~F.isnan({name!r}) & "
+                    f"(F.abs({name!r}) < float('inf'))))"
+                )
 
 
 class _Subtask:
@@ -181,6 +196,7 @@ class _Subtask:
         self.k = 0  # the next call to make
         self.last: Any = None  # the last reply
         self.where, self.user, self.op_name = "joining the Ray cluster", False, ""
+        self.since = time.monotonic()  # when the current step began (the watchdog reads it)
         self._bind()
 
     # -- bookkeeping ------------------------------------------------------------------
@@ -196,10 +212,12 @@ class _Subtask:
 
     def call(self, op: Any, method: str, *args: Any) -> Any:
         self.where, self.user, self.op_name = method, True, type(op).__name__
+        self.since = time.monotonic()
         return getattr(op, method)(*args)
 
     def step(self, what: str) -> None:
         self.where, self.user = what, False
+        self.since = time.monotonic()
 
     def ask(self, remote: Any) -> Any:
         import ray
@@ -281,35 +299,57 @@ class _Subtask:
         """Epoch-0 input (initial variables, every stream's data), then call 0.
 
         After a failure (``plan.restore``) the subtask reloads its data, restores the
-        state it checkpointed and makes again the call it was held in."""
+        state it checkpointed (its ``snapshot_state``, or the pickled operator object
+        itself, which already holds its data) and makes again the call it was held in,
+        reporting the variables version it had processed at the cut: the coordinator
+        then hands it the newer variables of that call again, *after* its state is
+        restored, exactly as in the run without the fault."""
         restored = self.ask(self.coord.restored.remote(self.pid)) if self.plan.restore else None
+        kind, blob = (restored[2] or (None, None)) if restored is not None else (None, None)
         self._fetch_variables()
-        if not self.plan.main_per_round:
+        if not self.plan.main_per_round and kind != "object":
             self.all_round = self._load(self.plan.operator)
             self.call(self.all_round, "open", self.ctx)
             self.call(self.all_round, "process_variables", self.variables, self.ctx, self.out)
         self._new_round_ops()
-        self._consume(inputs)
+        self._consume(inputs)  # an adopted operator object holds its data already
         if restored is not None:
-            call, state = restored
+            call, known_version, _ = restored
             self._drain()  # records of reloading were applied before the checkpoint
-            if state is not None and self.all_round is not None:
+            if kind == "object":
+                self.all_round = self._load(blob)
+            elif kind == "state" and self.all_round is not None:
                 import cloudpickle
 
-                self.call(self.all_round, "restore_state", cloudpickle.loads(state))
+                self.step("loading the checkpointed state")
+                self.call(self.all_round, "restore_state", cloudpickle.loads(blob))
             self.k = call
             self.ctx.epoch = call - 1
+            self.ctx.variables_version = known_version
         return self._report()
 
-    def checkpoint_state(self) -> bytes | None:
-        """The all-round operator's ``snapshot_state()`` (None when it keeps no state
-        beyond its data and the variables, which a restore rebuilds)."""
+    def checkpoint_state(self) -> tuple[str, bytes] | None:
+        """The all-round operator's state for a checkpoint: ``("state", its
+        snapshot_state())`` when it defines the hook, else ``("object", the pickled
+        operator)``; None without an all-round operator."""
         op = self.all_round
-        if op is None or not _defines(op, "snapshot_state"):
+        if op is None:
             return None
         import cloudpickle
 
-        return cloudpickle.dumps(self.call(op, "snapshot_state"))
+        if _defines(op, "snapshot_state"):
+            return "state", cloudpickle.dumps(self.call(op, "snapshot_state"))
+        self.step(f"pickling the partition operator {type(op).__name__} for a checkpoint")
+        try:
+            return "object", cloudpickle.dumps(op)
+        except Exception as ex:
+            from ._errors import IterationConfigError
+
+            raise IterationConfigError(
+                f"the partition operator {type(op).__name__} cannot be pickled for a "
+                f"checkpoint ({type(ex).__name__}: {ex}); define snapshot_state() and "
+                f"restore_state() on it, or drop what cannot be pickled"
+            ) from ex
 
     def epoch(self, inputs: Iterator[tuple[int, pa.RecordBatch]] | None = None) -> bool:
         """Run epoch ``k - 1`` (granted by the last reply): its per-round operators and
@@ -398,8 +438,10 @@ def _guarded(plan: TaskPlan, pid: int, body: Any) -> bytes:
 
     sub = _Subtask(plan, pid, None)
     aborted = False
+    stop = threading.Event()
     try:
         sub.coord = _coordinator(plan)
+        _watch(sub, stop)
         body(sub)
     except _Aborted:
         # Another participant failed and the coordinator holds its error for the driver;
@@ -414,10 +456,47 @@ def _guarded(plan: TaskPlan, pid: int, body: Any) -> bytes:
                 pass  # the coordinator is gone; Spark's own failure still reaches the driver
         sub.close()
         raise
+    finally:
+        stop.set()
     if aborted:
         sub.close()
     summary = {"partition_id": pid, "epochs": sub.k - 1, "rows": sub.rows, "aborted": aborted}
     return pickle.dumps(summary)
+
+
+def _watch(sub: _Subtask, stop: threading.Event) -> None:
+    """A daemon thread of the Spark task: when a step of the subtask (a user callback,
+    reading the data, ...; not waiting for the coordinator, which is waiting for the
+    others) makes no progress for ``call_timeout`` seconds, tell the coordinator, which
+    fails the run; the driver then cancels the stage (that ends the stuck Python worker)."""
+    timeout = sub.plan.call_timeout
+    tick = min(1.0, timeout / 10)
+
+    def run() -> None:
+        while not stop.wait(tick):
+            where, since = sub.where, sub.since
+            stuck = time.monotonic() - since
+            if where == "waiting for the coordinator" or stuck < timeout:
+                continue
+            failure = RemoteFailure(
+                sub.pid,
+                sub.ctx.epoch,
+                sub.label(),
+                "CallTimeout",
+                f"partition {sub.pid} made no progress for {stuck:.0f} s in {sub.label()} at "
+                f"epoch {sub.ctx.epoch} (IterationConfig(call_timeout={timeout:g})): a callback "
+                f"that blocks, or one that needs a larger call_timeout",
+                "",
+            )
+            try:
+                import ray
+
+                ray.get(sub.coord.fail.remote(failure, sub.plan.attempt), timeout=30)
+            except Exception:
+                pass  # the coordinator is gone: the stage fails anyway
+            return
+
+    threading.Thread(target=run, name=f"hybrid_iter-watch-{sub.pid}", daemon=True).start()
 
 
 def run_subtask(plan: TaskPlan, pid: int, inputs: Iterator[tuple[int, pa.RecordBatch]]) -> bytes:

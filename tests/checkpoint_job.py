@@ -78,8 +78,13 @@ def main(mode: str, directory: str) -> int:
                 df, pace=0.05, checkpoint=hi.CheckpointConfig(directory, every_epochs=2)
             )
         else:
+            # the same body as the killed run (a resume with other operator parameters is
+            # refused: the checkpoint's fingerprint covers them)
             result = iterate(
-                df, checkpoint=hi.CheckpointConfig(directory, every_epochs=2), resume_from=directory
+                df,
+                pace=0.05,
+                checkpoint=hi.CheckpointConfig(directory, every_epochs=2),
+                resume_from=directory,
             )
     print(
         "RESULT "
