@@ -247,13 +247,25 @@ class IterationCoordinator:
                         f"or a mount every node sees)"
                     )
                 self._main.open_all_round()
+                main = self._main.alive()
+                if (
+                    ck is not None
+                    and ck.every_epochs
+                    and main is not None
+                    and not _overrides(main, "snapshot_state")
+                ):
+                    # refuse before any job an operator a checkpoint could not hold
+                    self._dump_operator(main)
         except _UserCodeFailed:
             pass  # recorded: every call from now on answers with the failure
-        except (ForeignCheckpoint, MissingCheckpoint) as ex:  # never retried
+        except (ForeignCheckpoint, MissingCheckpoint, UnpicklableOperator) as ex:  # final
+            where = (
+                "checking that the coordinator operator can be checkpointed"
+                if isinstance(ex, UnpicklableOperator)
+                else "restoring a checkpoint"
+            )
             self._record_failure(
-                RemoteFailure(
-                    COORDINATOR, None, "restoring a checkpoint", type(ex).__name__, str(ex), "", ex
-                )
+                RemoteFailure(COORDINATOR, None, where, type(ex).__name__, str(ex), "", ex)
             )
         except Exception as ex:  # a checkpoint that cannot be used
             self._record_failure(

@@ -163,6 +163,8 @@ def _raise_failures(failures: list[RemoteFailure], spark_error: BaseException | 
     primary = failures[0]
     if primary.source == "data" or isinstance(primary.cause, DataValidationError):
         raise DataValidationError(f"{primary}") from primary
+    if isinstance(primary.cause, UnpicklableOperator):
+        raise IterationConfigError(f"{primary}") from primary
     if isinstance(primary.cause, HybridIterError) and not isinstance(
         primary.cause, IterationFailedError
     ):

@@ -187,3 +187,73 @@ def test_a_sigkilled_coordinator_process_is_restarted_bit_for_bit(df, tmp_path):
     info = faulty.extra["checkpoint"]
     assert info["restored_from"].endswith("chk-0000000009.ckpt")
     assert faulty.variables["w"].tobytes() == clean.variables["w"].tobytes()
+
+
+def test_a_forged_checkpoint_given_to_resume_from_never_runs(df, tmp_path):
+    from test_checkpoint_store import _forge
+
+    directory, marker = tmp_path / "ckpt", tmp_path / "pwned"
+    directory.mkdir()
+    _forge(directory / "chk-0000000004.ckpt", marker)
+    with pytest.raises(hi.IterationConfigError, match="authentication failed") as info:
+        run(df, CopyingGrad(), resume_from=str(directory))
+    assert "holds no valid checkpoint" in str(info.value)
+    assert not marker.exists()
+
+
+def test_a_corrupt_output_segment_does_not_make_resume_impossible(df, tmp_path):
+    clean = run(df, CopyingGrad())
+    directory = str(tmp_path)
+    first = run(df, CopyingGrad(), max_epochs=12, checkpoint=hi.CheckpointConfig(directory))
+    assert first.epochs == 12
+    segment = tmp_path / "out-0000000005.pkl"
+    segment.write_bytes(segment.read_bytes()[:-10] + b"0123456789")  # tampered tag
+    resumed = run(
+        df, CopyingGrad(), checkpoint=hi.CheckpointConfig(directory), resume_from=directory
+    )
+    assert resumed.variables["w"].tobytes() == clean.variables["w"].tobytes()
+    skipped = dict(resumed.extra["checkpoint"]["skipped"])
+    assert "authentication failed" in skipped[str(segment)]
+    assert len(resumed.outputs["w0"]) == len(clean.outputs["w0"]) - 1  # epoch 4's record
+
+
+def test_a_resume_with_another_body_is_refused_naming_the_run(df, tmp_path):
+    directory = str(tmp_path)
+    run(df, CopyingGrad(), max_epochs=4, checkpoint=hi.CheckpointConfig(directory))
+
+    class OtherStep(Step):
+        lr = 0.3  # another learning rate: another body
+
+    with pytest.raises(hi.IterationConfigError, match=r"another iteration \(run '[0-9a-f]+'\)"):
+        run(df, CopyingGrad(), OtherStep(), resume_from=directory)
+    with pytest.raises(hi.IterationConfigError, match="init_variables"):
+        hi.iterate_bounded_streams_until_termination(
+            {"w": np.ones(DIMS)},
+            hi.ReplayableDataStreamList.not_replay(df),
+            hi.IterationConfig(max_epochs=8, parallelism=2, resume_from=directory),
+            hi.IterationBody(CopyingGrad(), Step()),
+        )
+
+
+class LockedStep(Step):
+    def open(self, init_variables, ctx):
+        super().open(init_variables, ctx)
+        self.lock = threading.Lock()  # cannot be pickled
+
+
+class LockedGrad(CopyingGrad):
+    snapshot_state = hi.PartitionOperator.snapshot_state  # no hook of its own
+
+    def open(self, ctx):
+        super().open(ctx)
+        self.lock = threading.Lock()
+
+
+def test_an_unpicklable_operator_is_refused_naming_it(df, tmp_path):
+    with pytest.raises(hi.IterationConfigError, match="operator LockedStep cannot be pickled"):
+        run(df, CopyingGrad(), LockedStep(), checkpoint=hi.CheckpointConfig(str(tmp_path / "a")))
+    with pytest.raises(
+        hi.IterationConfigError, match="partition operator LockedGrad cannot be pickled"
+    ) as info:
+        run(df, LockedGrad(), checkpoint=hi.CheckpointConfig(str(tmp_path / "b")))
+    assert "define snapshot_state() and restore_state()" in str(info.value)
