@@ -20,6 +20,7 @@ from ._checkpoint import (
     ForeignCheckpoint,
     LoadedCheckpoint,
     checkpoint_key,
+    damaged_since,
     fingerprint_mismatch,
 )
 from ._errors import RemoteFailure, VariablesMismatchError
@@ -57,6 +58,7 @@ __all__ = [
     "VariablesPayload",
     "VariablesStore",
     "checkpoint_key",
+    "damaged_since",
     "fingerprint_mismatch",
     "normalize_variables",
 ]

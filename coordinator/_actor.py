@@ -18,7 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from ._checkpoint import CheckpointStore, ForeignCheckpoint, checkpoint_key, fingerprint_mismatch
+from ._checkpoint import (
+    CheckpointStore,
+    ForeignCheckpoint,
+    checkpoint_key,
+    damaged_since,
+    fingerprint_mismatch,
+)
 from ._cut import Cut, CutProtocol
 from ._errors import RemoteFailure, VariablesMismatchError
 from ._protocol import Emissions, OutputRecord, Progress, Reply, ResultData
@@ -673,7 +679,11 @@ class IterationCoordinator:
                 + "; ".join(f"{p}: {why}" for p, why in loaded.skipped)
             )
         expect = self.spec.checkpoint.expect_epoch
-        if expect is not None and loaded.epoch < expect:
+        if (
+            expect is not None
+            and loaded.epoch < expect
+            and not damaged_since(loaded.skipped, expect)
+        ):
             raise MissingCheckpoint(
                 f"the coordinator (on node {_node_ip()}) found checkpoint {loaded.epoch} in "
                 f"{self._ckpt_store.uri!r} as the newest valid one, but checkpoint {expect} "

@@ -55,6 +55,7 @@ __all__ = [
     "ForeignCheckpoint",
     "LoadedCheckpoint",
     "checkpoint_key",
+    "damaged_since",
     "fingerprint_mismatch",
     "key_id",
     "open_filesystem",
@@ -384,6 +385,18 @@ class CheckpointStore:
             self.fs.delete_file(f"{self.dir}/{name}")
         except OSError:
             pass  # already gone
+
+
+def damaged_since(skipped: Any, epoch: int) -> bool:
+    """True when a skipped (damaged) checkpoint file of ``epoch`` or newer is listed in
+    ``skipped``: the files are visible, only damaged, so falling back to an older
+    checkpoint is right (unlike files that are missing: a node-local path)."""
+    for path, _ in skipped:
+        name = str(path).rsplit("/", 1)[-1]
+        if name.startswith("chk-") and name.endswith(".ckpt") and name[4:-5].isdigit():
+            if int(name[4:-5]) >= epoch:
+                return True
+    return False
 
 
 def fingerprint_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str:

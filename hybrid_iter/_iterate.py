@@ -31,6 +31,7 @@ from coordinator import (
     RemoteFailure,
     UnpicklableOperator,
     checkpoint_key,
+    damaged_since,
     fingerprint_mismatch,
     normalize_variables,
 )
@@ -397,7 +398,7 @@ def _check_restored(actor: Any, expect: int | None, checkpoint: CheckpointSpec |
     info = _call(actor, "checkpoint_info")
     path = info.get("restored_from") or ""
     got = int(path[-15:-5]) if path.endswith(".ckpt") else -1
-    if got < expect:
+    if got < expect and not damaged_since(info.get("skipped", []), expect):
         raise IterationFailedError(
             f"the coordinator was restarted by Ray but found "
             f"{'checkpoint ' + str(got) if got >= 0 else 'no checkpoint'} in "

@@ -22,7 +22,7 @@ from coordinator import (
     ForeignCheckpoint,
     IterationCoordinator,
 )
-from coordinator._checkpoint import KEY_ENV, checkpoint_key, key_id
+from coordinator._checkpoint import KEY_ENV, checkpoint_key, damaged_since, key_id
 from hybrid_iter._iterate import node_local_refusal
 
 KEY = b"k" * 32
@@ -191,3 +191,15 @@ def test_the_payload_class_would_run(tmp_path):
     pickle.loads(pickle.dumps(Payload(str(marker))))
     assert marker.read_text() == "pwned"
     os.remove(marker)
+
+
+def test_a_damaged_newest_checkpoint_falls_back_but_a_missing_one_fails(tmp_path):
+    store = CheckpointStore(str(tmp_path), key=KEY, run_id="r", keep_last=5)
+    for e in (4, 6):
+        store.save(e, {"e": e}, [])
+    newest = tmp_path / "chk-0000000006.ckpt"
+    newest.write_bytes(newest.read_bytes()[:-3])
+    loaded = store.load_latest()
+    assert loaded.epoch == 4
+    assert damaged_since(loaded.skipped, 6)  # visible but damaged: falling back is right
+    assert not damaged_since(loaded.skipped, 7)  # expected 7, never seen: missing
