@@ -247,7 +247,7 @@ def clean(tmp_path_factory):
 
 
 @settings(
-    max_examples=60,
+    max_examples=40,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )

@@ -109,6 +109,16 @@ def run(df, partition, coordinator=None, **config):
     )
 
 
+@pytest.fixture(scope="module")
+def clean_copying(df):
+    return run(df, CopyingGrad())
+
+
+@pytest.fixture(scope="module")
+def clean_counting(df):
+    return run(df, CountingGrad())
+
+
 def _kill_when_written(marker: Path, done: threading.Event) -> threading.Thread:
     """SIGKILL the pid written to ``marker`` (a condition with a deadline, no timing)."""
 
@@ -125,8 +135,10 @@ def _kill_when_written(marker: Path, done: threading.Event) -> threading.Thread:
     return t
 
 
-def test_an_operator_keeping_a_copy_of_the_variables_restores_bit_for_bit(df, tmp_path):
-    clean = run(df, CopyingGrad())
+def test_an_operator_keeping_a_copy_of_the_variables_restores_bit_for_bit(
+    df, clean_copying, tmp_path
+):
+    clean = clean_copying
     faulty = run(
         df,
         CopyingGrad(),
@@ -138,8 +150,8 @@ def test_an_operator_keeping_a_copy_of_the_variables_restores_bit_for_bit(df, tm
     assert faulty.outputs["w0"] == clean.outputs["w0"]
 
 
-def test_an_operator_without_snapshot_state_is_checkpointed_whole(df, tmp_path):
-    clean = run(df, CountingGrad())
+def test_an_operator_without_snapshot_state_is_checkpointed_whole(df, clean_counting, tmp_path):
+    clean = clean_counting
     faulty = run(
         df,
         CountingGrad(),
@@ -150,8 +162,8 @@ def test_an_operator_without_snapshot_state_is_checkpointed_whole(df, tmp_path):
     assert faulty.variables["w"].tobytes() == clean.variables["w"].tobytes()
 
 
-def test_a_sigkilled_python_worker_is_recovered_bit_for_bit(df, tmp_path):
-    clean = run(df, CountingGrad())
+def test_a_sigkilled_python_worker_is_recovered_bit_for_bit(df, clean_counting, tmp_path):
+    clean = clean_counting
     marker, done = tmp_path / "worker.pid", threading.Event()
     killer = _kill_when_written(marker, done)
     try:
@@ -169,8 +181,8 @@ def test_a_sigkilled_python_worker_is_recovered_bit_for_bit(df, tmp_path):
     assert faulty.variables["w"].tobytes() == clean.variables["w"].tobytes()
 
 
-def test_a_sigkilled_coordinator_process_is_restarted_bit_for_bit(df, tmp_path):
-    clean = run(df, CopyingGrad(), Step())
+def test_a_sigkilled_coordinator_process_is_restarted_bit_for_bit(df, clean_copying, tmp_path):
+    clean = clean_copying
     marker, done = tmp_path / "coordinator.pid", threading.Event()
     killer = _kill_when_written(marker, done)
     try:
@@ -201,8 +213,8 @@ def test_a_forged_checkpoint_given_to_resume_from_never_runs(df, tmp_path):
     assert not marker.exists()
 
 
-def test_a_corrupt_output_segment_does_not_make_resume_impossible(df, tmp_path):
-    clean = run(df, CopyingGrad())
+def test_a_corrupt_output_segment_does_not_make_resume_impossible(df, clean_copying, tmp_path):
+    clean = clean_copying
     directory = str(tmp_path)
     first = run(df, CopyingGrad(), max_epochs=12, checkpoint=hi.CheckpointConfig(directory))
     assert first.epochs == 12
