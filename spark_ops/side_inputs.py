@@ -92,6 +92,7 @@ from ._side_errors import (
     SideInputError,
     SideInputKeyError,
     SideInputNotReadyError,
+    SideInputScopeError,
     SideInputValueError,
 )
 from ._side_plan import broadcast_contents, check_main, make_plan, run_on
@@ -121,6 +122,7 @@ __all__ = [
     "SideInputNotReadyError",
     "SideInputOperation",
     "SideInputQuery",
+    "SideInputScopeError",
     "SideInputStream",
     "SideInputValueError",
     "SingletonSideInput",
