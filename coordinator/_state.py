@@ -18,9 +18,10 @@ Vocabulary (DESIGN.md section 3, as implemented here):
   ``publish_variables`` (the feedback edge, as the parameters vertex's edge back to the
   head is in Flink ML; a partition's ``out.feedback`` is a forward edge inside the epoch
   and keeps nothing alive), or ``k >= max_epochs``. Alignment 0 never terminates.
-* The **terminating round** k is the round the variables published in epoch k - 1 were
-  fed into: it still runs its per-round operators before termination (Flink ML processes
-  records fed back before it terminates). Without such a publish there is none.
+* The **terminating round** k of an iteration the criteria ended is the round the
+  variables published in epoch k - 1 were fed into: it still runs its per-round
+  operators before termination (Flink ML processes records fed back before it
+  terminates). Without such a publish, or when ``max_epochs`` ended it, there is none.
 * **Release** of a pending call k (the subtask may run epoch k): always after
   termination (it is told to stop); otherwise never for ``k >= max_epochs``; call 0
   at alignment 0 in every mode (all data loaded and checked); then in sync mode
@@ -240,10 +241,12 @@ class EpochStateMachine:
 
     @property
     def terminating_round(self) -> int | None:
-        """After termination at alignment k: k when variables were published into round k
-        (its per-round operators still run, before ``on_iteration_terminated``), else
-        None (nothing was fed back into it)."""
-        if self.terminated is None or self.aligned < 1:
+        """After termination by the criteria at alignment k: k when variables were
+        published into round k (its per-round operators still run, before
+        ``on_iteration_terminated``, as Flink ML processes what was fed back). None
+        otherwise: nothing was fed back, or ``max_epochs`` caps the rounds (no subtask
+        runs epoch ``max_epochs``)."""
+        if self.terminated is not TerminationReason.CRITERIA or self.aligned < 1:
             return None
         c = self.counts.get(self.aligned - 1)
         return self.aligned if c is not None and c.published > 0 else None
