@@ -444,7 +444,7 @@ class SideInputContext:
 
         Maps and multimaps come back as a live read-only mapping: each access answers for
         the record current at that moment (its window, and for keyed views its key's
-        shard), so a ``map_partition`` function may read the view once and use it for
+        entry only), so a ``map_partition`` function may read the view once and use it for
         every row. Singletons and lists are values: read them per record when the view
         is keyed or windowed.
         """
