@@ -125,10 +125,10 @@ class FunctionContext:
     Runs in a Spark task.
 
     ``partition_id``: the Spark partition this task processes; ``num_partitions``: how
-    many partitions the operation was planned with (``None`` when Spark's plan cannot
-    tell before running, e.g. a ``union`` of shuffled DataFrames; adaptive execution
-    may coalesce a shuffle Spark sized itself, such as the keyed one without
-    ``key_by(num_partitions=...)``).
+    many partitions the operation was planned with, read from Spark's plan without a
+    job; ``None`` when the plan cannot tell before running: a ``union`` of shuffled
+    DataFrames, or a shuffle Spark sizes itself that adaptive execution may coalesce
+    (the keyed one without ``key_by(num_partitions=...)``).
     """
 
     partition_id: int

@@ -316,11 +316,26 @@ def _max_rows(df: DataFrame) -> int:
 # -- the windows ---------------------------------------------------------------------------
 
 
-def _map_in_arrow(df: DataFrame, spec: TaskSpec, user: Any, schema: StructType) -> DataFrame:
+def _coalescable(df: DataFrame) -> bool:
+    """True when adaptive execution may coalesce a shuffle whose size Spark chose (the
+    keyed shuffle without ``key_by(num_partitions=...)``): its planned count is only an
+    upper bound."""
+    conf = df.sparkSession.conf
+    return all(
+        str(conf.get(k, "true")).lower() == "true"
+        for k in ("spark.sql.adaptive.enabled", "spark.sql.adaptive.coalescePartitions.enabled")
+    )
+
+
+def _map_in_arrow(
+    df: DataFrame, spec: TaskSpec, user: Any, schema: StructType, *, sized: bool = True
+) -> DataFrame:
+    """``sized``: False when the last shuffle's size is Spark's own choice."""
     if callable(getattr(user, "open", None)):
         # a rich function's open(ctx) learns the partition count: read from the plan
-        # (no job), only for functions that ask
-        spec = dataclasses.replace(spec, num_partitions=num_partitions(df))
+        # (no job), only for functions that ask; unknown rather than a wrong number
+        n = num_partitions(df) if sized or not _coalescable(df) else None
+        spec = dataclasses.replace(spec, num_partitions=n)
     return df.mapInArrow(functools.partial(run_task, spec, user), schema)
 
 
@@ -515,7 +530,7 @@ def _map_partition(
     )
     if keys:
         df = _grouped(df, keys, n)
-    return _map_in_arrow(df, spec, fn, struct)
+    return _map_in_arrow(df, spec, fn, struct, sized=not keys or n is not None)
 
 
 def _sort_partition(
@@ -539,7 +554,7 @@ def _sort_partition(
         name = _unused_name(df.columns, _SORT_KEY)
         spec = TaskSpec(op=what, fn_name=_fn_name(field), sort_key_column=name)
         with_key = StructType([*df.schema.fields, StructField(name, BinaryType(), False)])
-        keyed = _map_in_arrow(base, spec, field, with_key)
+        keyed = _map_in_arrow(base, spec, field, with_key, sized=not keys or n is not None)
         sort_key = F.col(name).asc() if direction is Order.ASCENDING else F.col(name).desc()
         return keyed.sortWithinPartitions(*key_cols, sort_key).drop(name)
     col, _ = _sort_column(df, field, what)
@@ -586,7 +601,7 @@ def _aggregate(
     )
     if keys:
         df = _grouped(df, keys, n)
-    return _map_in_arrow(df, spec, agg, out)
+    return _map_in_arrow(df, spec, agg, out, sized=not keys or n is not None)
 
 
 def _reduce(df: DataFrame, keys: tuple[str, ...], n: int | None, fn: Any) -> DataFrame:
@@ -601,4 +616,4 @@ def _reduce(df: DataFrame, keys: tuple[str, ...], n: int | None, fn: Any) -> Dat
     )
     if keys:
         df = _grouped(df, keys, n)
-    return _map_in_arrow(df, spec, fn, df.schema)
+    return _map_in_arrow(df, spec, fn, df.schema, sized=not keys or n is not None)

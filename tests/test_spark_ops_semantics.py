@@ -194,6 +194,19 @@ def test_rich_functions_open_and_close_once_per_partition(spark, tmp_path, op, k
         assert len(rows) == 40
 
 
+def test_rich_function_partition_count_is_unknown_rather_than_wrong(spark, tmp_path):
+    """A keyed shuffle Spark sizes itself may be coalesced by adaptive execution, so
+    its planned count is no answer: ctx.num_partitions is None there."""
+    df = spark.range(0, 20, numPartitions=2).selectExpr("id", "id % 4 as k")
+    out = (
+        key_by(df, "k")
+        .full_window_partition()
+        .map_partition(RichMap(str(tmp_path)), "pid int, n int, calls int, rows long")
+    )
+    rows = out.collect()
+    assert sum(r.rows for r in rows) == 20 and {r.n for r in rows} == {None}
+
+
 # -- 8. one root exception --------------------------------------------------------------------
 
 
