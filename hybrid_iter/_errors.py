@@ -17,11 +17,11 @@
     VariablesMismatchError      publish_variables() with an unknown name or wrong shape
                                 (arrives as the cause inside IterationFailedError)
 
-    SparkOpsError               root of the spark_ops errors (full-partition, local
-    ├── SparkOpsConfigError     aggregation, side inputs), re-exported here; its whole
-    ├── PartitionFunctionError  tree is drawn in ``spark_ops/_errors.py``. Bad arguments
-    ├── NonMergeableAggregateError  stay TypeError/ValueError too.
-    └── SideInputError ...
+    SparkOpsError                   root of the spark_ops errors (full-partition, local
+    ├── SparkOpsConfigError         aggregation, side inputs), re-exported here; the
+    ├── PartitionFunctionError      whole tree is drawn in ``spark_ops/_errors.py``
+    ├── NonMergeableAggregateError  (bad arguments are still TypeError / ValueError)
+    └── SideInputError
 
 All of them pickle (they cross Spark and Ray process boundaries).
 """
