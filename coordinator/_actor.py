@@ -198,6 +198,7 @@ class IterationCoordinator:
             every_epochs=spec.checkpoint.every_epochs if spec.checkpoint is not None else 0,
         )
         self._final: dict[int, Emissions] = {}
+        self._final_round: dict[int, Emissions] = {}
         self._outputs: list[OutputRecord] = []
         self._alignment_times: list[float] = []
         self._feedback_counts = [0] * spec.num_subtasks
@@ -327,13 +328,23 @@ class IterationCoordinator:
         self._release()
         return await future
 
-    async def finish(self, pid: int, emissions: Emissions, attempt: int = 0) -> None:
-        """Subtask ``pid`` ran ``on_iteration_terminated``; ``emissions`` are its last."""
+    async def finish(
+        self,
+        pid: int,
+        emissions: Emissions,
+        attempt: int = 0,
+        round_emissions: Emissions | None = None,
+    ) -> None:
+        """Subtask ``pid`` ran ``on_iteration_terminated``; ``emissions`` are its last.
+        ``round_emissions``: what its per-round operators emitted in the terminating round."""
         if self._failures or not self.cut.accepts(attempt):
             return
         try:
             self._final[pid] = emissions
+            if round_emissions is not None:
+                self._final_round[pid] = round_emissions
             if self.sm.finish(pid):
+                self._terminating_round()
                 # the partitions' last outputs, in partition order (deterministic)
                 last = max(self.sm.epochs_completed - 1, 0)
                 for p in sorted(self._final):
@@ -441,7 +452,7 @@ class IterationCoordinator:
             epochs=self.sm.epochs_completed,
             last_epoch_seconds=(t[-1] - t[-2]) if len(t) >= 2 else None,
             loss=self._last_loss,
-            terminated_by=str(self.sm.terminated) if self.sm.terminated else None,
+            terminated_by=self.sm.terminated,
             done=self._is_done(),
             failed=bool(self._failures),
             subtask_epochs=tuple(max(c, 0) for c in self.sm.last_call),
@@ -454,7 +465,7 @@ class IterationCoordinator:
             variables=dict(self.store.values),
             outputs=list(self._outputs),
             epochs=self.sm.epochs_completed,
-            terminated_by=str(self.sm.terminated) if self.sm.terminated else None,
+            terminated_by=self.sm.terminated,
             alignment_times=list(self._alignment_times),
             subtask_epochs={p: max(c, 0) for p, c in enumerate(self.sm.last_call)},
             feedback_counts=dict(enumerate(self._feedback_counts)),
@@ -550,6 +561,25 @@ class IterationCoordinator:
             self._user_call(
                 listener, "on_epoch_watermark_incremented", epoch, self.ctx, self._listener_out
             )
+
+    def _terminating_round(self) -> None:
+        """Round k, into which the last variables were fed back, runs like every other
+        round before termination (as in Flink ML): the partitions' per-round operators
+        already ran it; here their feedback is applied and the coordinator tier's
+        per-round operators of round k are created, get their end-of-round watermark
+        callback and are closed."""
+        k = self.sm.terminating_round
+        emitted, self._final_round = self._final_round, {}
+        if k is None:
+            return
+        for pid, em in sorted(emitted.items()):
+            self._apply_partition_emissions(pid, k, em)
+        self.ctx.epoch = k
+        for slot in (self._main, self._round):
+            if slot.per_round and slot.template is not None:
+                op = slot.get(k)
+                self._user_call(op, "on_epoch_watermark_incremented", k, self.ctx, self._out)
+                slot.end_round()
 
     def _terminate_coordinator_tier(self) -> None:
         self.ctx.epoch = max(self.sm.epochs_completed - 1, 0)
@@ -758,11 +788,18 @@ class IterationCoordinator:
                         )
                     )
                     return
+        last_round = self.sm.terminating_round
         for r in self.sm.releasable():
             _, known_version, future = self._waiters.pop(r.pid)
             if not future.done():
                 future.set_result(
-                    Reply(r.epoch, r.terminated, self.sm.aligned, self._payload_for(known_version))
+                    Reply(
+                        r.epoch,
+                        r.terminated,
+                        self.sm.aligned,
+                        self._payload_for(known_version),
+                        terminating_round=r.epoch if last_round is not None else None,
+                    )
                 )
 
     def _notify_progress(self) -> None:

@@ -50,6 +50,9 @@ class Reply:
     error: RemoteFailure | None = None
     #: a checkpoint is being taken: send your state (``checkpoint_state``) and wait there
     need_state: bool = False
+    #: with ``terminated``: the round the last published variables were fed into; its
+    #: per-round operators still run (open, variables, end of round, close) first
+    terminating_round: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

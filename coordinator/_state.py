@@ -14,8 +14,14 @@ Vocabulary (DESIGN.md section 3, as implemented here):
   alignment k >= 1 the coordinator tier runs its own ``on_epoch_watermark_incremented(k-1)``
   (it is downstream of the partition tier, as the parameters vertex is in Flink ML).
 * **Termination** is decided at alignment k >= 1 from the records of epoch k - 1 (the
-  records that circulate into epoch k): a criteria stream that emitted nothing, nothing
-  fed back or published, or ``k >= max_epochs``. Alignment 0 never terminates.
+  records that circulate into epoch k): a criteria stream that emitted nothing, no
+  ``publish_variables`` (the feedback edge, as the parameters vertex's edge back to the
+  head is in Flink ML; a partition's ``out.feedback`` is a forward edge inside the epoch
+  and keeps nothing alive), or ``k >= max_epochs``. Alignment 0 never terminates.
+* The **terminating round** k of an iteration the criteria ended is the round the
+  variables published in epoch k - 1 were fed into: it still runs its per-round
+  operators before termination (Flink ML processes records fed back before it
+  terminates). Without such a publish, or when ``max_epochs`` ended it, there is none.
 * **Release** of a pending call k (the subtask may run epoch k): always after
   termination (it is told to stop); otherwise never for ``k >= max_epochs``; call 0
   at alignment 0 in every mode (all data loaded and checked); then in sync mode
@@ -33,14 +39,44 @@ __all__ = ["EpochCounts", "EpochStateMachine", "Release", "StateMachineError", "
 
 
 class TerminationReason(str, enum.Enum):
-    """Why an iteration ended (``IterationResult.terminated_by``)."""
+    """Why an iteration ended (``IterationResult.terminated_by``).
+
+    ``NO_VARIABLES_PUBLISHED`` (``"no_variables_published"``): nothing was fed back, i.e.
+    the coordinator tier published no variables into the next epoch. Its former name
+    ``"no_feedback"`` is still accepted: ``TerminationReason.NO_FEEDBACK`` is the same
+    member, ``TerminationReason("no_feedback")`` returns it, and it compares equal to
+    both strings (``result.terminated_by == "no_feedback"`` stays true).
+    """
 
     CRITERIA = "criteria"
-    NO_FEEDBACK = "no_feedback"
+    NO_VARIABLES_PUBLISHED = "no_variables_published"
     MAX_EPOCHS = "max_epochs"
+    #: the former name of ``NO_VARIABLES_PUBLISHED`` (an alias: the same member)
+    NO_FEEDBACK = "no_variables_published"
 
     def __str__(self) -> str:
         return self.value
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str) and not isinstance(other, TerminationReason):
+            return other == self.value or _FORMER_NAMES.get(other) == self.value
+        return self is other
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    @classmethod
+    def _missing_(cls, value: object) -> TerminationReason | None:
+        if isinstance(value, str) and value in _FORMER_NAMES:
+            return cls(_FORMER_NAMES[value])
+        return None
+
+
+#: reasons renamed since they were first published: old string -> current value
+_FORMER_NAMES = {"no_feedback": "no_variables_published"}
 
 
 class StateMachineError(RuntimeError):
@@ -140,8 +176,10 @@ class EpochStateMachine:
         reason: TerminationReason | None = None
         if self.has_criteria and c.criteria == 0:
             reason = TerminationReason.CRITERIA
-        elif c.feedback == 0 and c.published == 0:
-            reason = TerminationReason.NO_FEEDBACK
+        elif c.published == 0:
+            # Only the coordinator tier's publish is fed back into epoch k; partition
+            # feedback of epoch k - 1 was consumed inside that epoch (a forward edge).
+            reason = TerminationReason.NO_VARIABLES_PUBLISHED
         elif self.max_epochs is not None and k >= self.max_epochs:
             reason = TerminationReason.MAX_EPOCHS
         self.terminated = reason
@@ -200,6 +238,18 @@ class EpochStateMachine:
         return sm
 
     # -- queries ------------------------------------------------------------------------
+
+    @property
+    def terminating_round(self) -> int | None:
+        """After termination by the criteria at alignment k: k when variables were
+        published into round k (its per-round operators still run, before
+        ``on_iteration_terminated``, as Flink ML processes what was fed back). None
+        otherwise: nothing was fed back, or ``max_epochs`` caps the rounds (no subtask
+        runs epoch ``max_epochs``)."""
+        if self.terminated is not TerminationReason.CRITERIA or self.aligned < 1:
+            return None
+        c = self.counts.get(self.aligned - 1)
+        return self.aligned if c is not None and c.published > 0 else None
 
     @property
     def all_finished(self) -> bool:

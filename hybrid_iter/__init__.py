@@ -35,6 +35,7 @@ from ._errors import (
     IterationFailedError,
     RemoteFailure,
     SessionError,
+    SparkOpsError,
     VariablesMismatchError,
 )
 from ._iterate import iterate_bounded_streams_until_termination
@@ -87,6 +88,7 @@ __all__ = [
     "ReplayableDataStreamList",
     "Session",
     "SessionError",
+    "SparkOpsError",
     "TerminateOnMaxIter",
     "TerminateOnMaxIterOrTol",
     "TerminationCriteria",

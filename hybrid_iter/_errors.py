@@ -17,6 +17,12 @@
     VariablesMismatchError      publish_variables() with an unknown name or wrong shape
                                 (arrives as the cause inside IterationFailedError)
 
+    SparkOpsError                   root of the spark_ops errors (full-partition, local
+    ├── SparkOpsConfigError         aggregation, side inputs), re-exported here; the
+    ├── PartitionFunctionError      whole tree is drawn in ``spark_ops/_errors.py``
+    ├── NonMergeableAggregateError  (bad arguments are still TypeError / ValueError)
+    └── SideInputError
+
 All of them pickle (they cross Spark and Ray process boundaries).
 """
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from coordinator import RemoteFailure, VariablesMismatchError
+from spark_ops import SparkOpsError
 
 __all__ = [
     "DataValidationError",
@@ -33,6 +40,7 @@ __all__ = [
     "IterationFailedError",
     "RemoteFailure",
     "SessionError",
+    "SparkOpsError",
     "VariablesMismatchError",
 ]
 

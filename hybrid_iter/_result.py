@@ -24,7 +24,9 @@ class IterationResult:
       ``output_records`` has each record's epoch and source (partition id or
       ``"coordinator"``).
     * ``epochs``: epochs completed by every subtask (the last global alignment).
-    * ``terminated_by``: ``"criteria"``, ``"no_feedback"`` or ``"max_epochs"``.
+    * ``terminated_by``: a ``TerminationReason`` (a ``str``): ``"criteria"``,
+      ``"no_variables_published"`` (nothing fed back; its former name ``"no_feedback"``
+      still compares equal) or ``"max_epochs"``.
     * ``epoch_seconds``: wall time between consecutive global alignments.
     * ``subtask_epochs``: epochs each subtask ran (async: fast ones run more);
       ``feedback_counts``: feedback records of each subtask that the coordinator applied

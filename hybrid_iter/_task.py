@@ -290,7 +290,12 @@ class _Subtask:
             self.variables = _resolve(reply.variables)
             self.ctx.variables_version = reply.variables.version
             if self.all_round is not None:
+                # the variables belong to the epoch this reply grants (or the terminating
+                # round), not to the epoch the subtask just finished
+                last, self.ctx.epoch = self.ctx.epoch, reply.epoch
                 self.call(self.all_round, "process_variables", self.variables, self.ctx, self.out)
+                if reply.terminated:
+                    self.ctx.epoch = last
         return bool(reply.terminated)
 
     # -- the protocol -----------------------------------------------------------------
@@ -374,10 +379,24 @@ class _Subtask:
         return self._report()
 
     def terminate(self) -> None:
-        """Termination: only operators still alive (the all-round one) hear of it."""
+        """Termination. First the terminating round (the round the last published
+        variables were fed into) runs its per-round operators as every round does: open,
+        ``process_variables``, the end-of-round ``on_epoch_watermark_incremented``, close
+        (no replayed data: replay stops at termination, as in Flink ML). Then only
+        operators still alive (the all-round one) hear ``on_iteration_terminated``."""
+        k = self.last.terminating_round if self.last is not None else None
+        round_em = None
+        if k is not None and (self.plan.main_per_round or self.plan.per_round_operator):
+            last, self.ctx.epoch = self.ctx.epoch, k
+            self._new_round_ops()
+            for op, out in self.per_round:
+                self.call(op, "on_epoch_watermark_incremented", k, self.ctx, out)
+            self._close_round_ops()
+            round_em = self._drain()
+            self.ctx.epoch = last
         if self.all_round is not None:
             self.call(self.all_round, "on_iteration_terminated", self.ctx, self.out)
-        self.ask(self.coord.finish.remote(self.pid, self._drain(), self.plan.attempt))
+        self.ask(self.coord.finish.remote(self.pid, self._drain(), self.plan.attempt, round_em))
 
     def _close_round_ops(self) -> None:
         ops, self.per_round = self.per_round, []

@@ -4,9 +4,11 @@ stage that feeds each subtask its data once.
 Never imports ray or hybrid_iter.
 """
 
+from ._errors import SparkOpsConfigError, SparkOpsError, SparkOpsIndexError
 from .aggregate import AggregateFunction
 from .barrier import BarrierStage, ReplayPlan, available_task_slots, num_partitions
 from .full_partition import (
+    FunctionContext,
     KeyedDataFrame,
     KeyedPartitionWindowedStream,
     Order,
@@ -44,6 +46,7 @@ from .side_inputs import (
     SideInputKeyError,
     SideInputNotReadyError,
     SideInputQuery,
+    SideInputScopeError,
     SideInputValueError,
     SingletonSideInput,
     with_side_inputs,
@@ -52,6 +55,7 @@ from .side_inputs import (
 __all__ = [
     "AggregateFunction",
     "BarrierStage",
+    "FunctionContext",
     "KeyGroupRange",
     "KeyGroupState",
     "KeyedDataFrame",
@@ -78,8 +82,12 @@ __all__ = [
     "SideInputKeyError",
     "SideInputNotReadyError",
     "SideInputQuery",
+    "SideInputScopeError",
     "SideInputValueError",
     "SingletonSideInput",
+    "SparkOpsConfigError",
+    "SparkOpsError",
+    "SparkOpsIndexError",
     "available_task_slots",
     "column_to_numpy",
     "full_window_partition",

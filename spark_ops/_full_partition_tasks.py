@@ -31,15 +31,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.types as pat
 
+from ._errors import SparkOpsError
 from ._full_partition_keys import encode_keys
 from ._full_partition_rows import RowReader, RowWriter, conform_batch
 
-__all__ = ["PartitionFunctionError", "TaskSpec", "run_task"]
+__all__ = ["FunctionContext", "PartitionFunctionError", "TaskSpec", "run_task"]
 
 _MISSING = object()
 
 
-class PartitionFunctionError(RuntimeError):
+class PartitionFunctionError(SparkOpsError, RuntimeError):
     """User code of a full-partition operation failed in a Spark task.
 
     Raised in the task; on the driver it arrives inside Spark's ``PythonException``,
@@ -64,6 +65,8 @@ class TaskSpec:
     result_schema: pa.Schema | None = None  # keyed aggregate: the result part of out_schema
     sort_key_column: str = ""
     max_rows: int = 10_000
+    #: the partitions Spark planned for the operation (None: the plan cannot tell)
+    num_partitions: int | None = None
 
 
 class _Where:
@@ -75,6 +78,7 @@ class _Where:
         ctx = TaskContext.get()
         self.partition = ctx.partitionId() if ctx is not None else -1
         self.key: Any = _MISSING
+        self.hook: str | None = None  # "open" / "close" while a rich function's hook runs
         self._reader: RowReader | None = None
 
     def reader(self, batch: pa.RecordBatch) -> RowReader:
@@ -94,6 +98,8 @@ class _Where:
 
     def describe(self) -> str:
         text = f"partition {self.partition}"
+        if self.hook is not None:
+            text += f" (its {self.hook}())"
         if self.key is not _MISSING:
             key = self.key[0] if len(self.key) == 1 else self.key
             text += f", key {key!r:.200}"
@@ -113,13 +119,52 @@ def _user_frames(ex: BaseException) -> TracebackType | None:
     return tb or ex.__traceback__
 
 
+@dataclass(frozen=True)
+class FunctionContext:
+    """What a rich function's ``open(ctx)`` gets (Flink's ``RuntimeContext``, in short).
+    Runs in a Spark task.
+
+    ``partition_id``: the Spark partition this task processes; ``num_partitions``: how
+    many partitions the operation was planned with, read from Spark's plan without a
+    job; ``None`` when the plan cannot tell before running: a ``union`` of shuffled
+    DataFrames, or a shuffle Spark sizes itself that adaptive execution may coalesce
+    (the keyed one without ``key_by(num_partitions=...)``).
+    """
+
+    partition_id: int
+    num_partitions: int | None
+    op: str
+
+
+def _hook(user: Any, name: str) -> Callable[..., Any] | None:
+    hook = getattr(user, name, None)
+    return hook if callable(hook) else None
+
+
 def run_task(
     spec: TaskSpec, user: Any, batches: Iterator[pa.RecordBatch]
 ) -> Iterator[pa.RecordBatch]:
-    """The ``mapInArrow`` function of every operation (``functools.partial`` binds the rest)."""
+    """The ``mapInArrow`` function of every operation (``functools.partial`` binds the rest).
+
+    A rich function (one defining ``open(ctx)`` and/or ``close()``, FLIP-380 after
+    Flink's ``RichFunction``) gets ``open`` once in this task before its first record,
+    keyed or not, and ``close`` once after its last (also when it failed)."""
     where = _Where()
+    close = _hook(user, "close")
+    opened = False
     try:
+        open_ = _hook(user, "open")
+        if open_ is not None:
+            where.hook = "open"
+            open_(FunctionContext(where.partition, spec.num_partitions, spec.op))
+            where.hook = None
+        opened = True
         yield from _BODIES[spec.op](spec, user, batches, where)
+        if close is not None:
+            opened = False  # a failing close() is reported, not called again
+            where.hook = "close"
+            close()
+            where.hook = None
     except PartitionFunctionError:
         raise
     except Exception as ex:
@@ -128,6 +173,12 @@ def run_task(
             f"{spec.op} function {spec.fn_name} failed in {where.describe()}: "
             f"{type(ex).__name__}: {ex}\n--- the function's traceback:\n{detail}"
         ) from ex
+    finally:
+        if opened and close is not None:
+            try:
+                close()  # after a failure: release, but never hide the first error
+            except Exception:
+                pass
 
 
 # -- runs of equal keys ---------------------------------------------------------------------
@@ -260,8 +311,11 @@ def _results(spec: TaskSpec, fn: Callable, records: Iterator[Any]) -> Iterator[A
 class _Out:
     """Output records batched ``max_rows`` at a time."""
 
-    def __init__(self, spec: TaskSpec, schema: pa.Schema) -> None:
-        self.writer = RowWriter(schema, single_value=spec.single_value)
+    def __init__(
+        self, spec: TaskSpec, schema: pa.Schema, *, single_value: bool | None = None
+    ) -> None:
+        single = spec.single_value if single_value is None else single_value
+        self.writer = RowWriter(schema, single_value=single)
         self.max_rows = spec.max_rows
         self.pending: list[tuple] = []
 
@@ -338,7 +392,9 @@ def _aggregate(spec: TaskSpec, agg: Any, batches: Iterator[pa.RecordBatch], wher
         return
     assert spec.result_schema is not None
     result_writer = RowWriter(spec.result_schema, single_value=spec.single_value)
-    out = _Out(spec, spec.out_schema)
+    # The output row is the key columns plus the result's: never one value, even when
+    # the result schema was an atomic type (one "value" column after the keys).
+    out = _Out(spec, spec.out_schema, single_value=False)
     for first, group in _Groups(batches, spec.key_columns):
         where.key = key = where.key_of(first, spec.key_columns)
         result = _fold_aggregate(spec, agg, _input(spec, group, where))

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.types as pat
 
 from ._full_partition_rows import RowReader
-from ._side_errors import SideInputConfigError, SideInputValueError
+from ._side_errors import SideInputConfigError, SideInputScopeError, SideInputValueError
 from ._side_views import SideInput, _ViewSpec
 
 __all__ = [
@@ -315,6 +315,18 @@ class _ViewState:
 _NONE: Any = object()
 
 
+def _same_key(a: Any, b: Any) -> bool:
+    """Key equality as Spark groups keys (NaN equals NaN, elementwise for tuples)."""
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same_key(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
 class _LiveMapping(Mapping):
     """A map view as the current record sees it, resolved at each access (read-only)."""
 
@@ -326,15 +338,36 @@ class _LiveMapping(Mapping):
 
     def _now(self) -> Mapping[Any, Any]:
         m = self._ctx._payload(self._state)
-        return _EMPTY if m is _NONE else m
+        m = _EMPTY if m is _NONE else m
+        if self._state.spec.keyed:
+            # A keyed view lives in keyed state (FLIP-17): a record sees only its own
+            # key's entry, never the rest of its task's shard (which would make results
+            # depend on the partition count).
+            key = self._ctx._key
+            return {key: m[key]} if key in m else _EMPTY
+        return m
+
+    def _check(self, key: Any) -> None:
+        spec = self._state.spec
+        if spec.keyed and not _same_key(key, self._ctx._key):
+            kind = "MultimapSideInput" if spec.kind == "multimap" else "MapSideInput"
+            raise SideInputScopeError(
+                f"{kind} {spec.name!r} is keyed: a record sees only its own key's entries "
+                f"(the current record's key is {self._ctx._key!r:.100}), so key "
+                f"{key!r:.100} cannot be looked up from it. To look up any key, use a "
+                f"broadcast view: {kind}(df, key=..., value=...) without keyed=True"
+            )
 
     def __getitem__(self, key: Any) -> Any:
+        self._check(key)
         return self._now()[key]
 
     def get(self, key: Any, default: Any = None) -> Any:
+        self._check(key)
         return self._now().get(key, default)
 
     def __contains__(self, key: object) -> bool:
+        self._check(key)
         return key in self._now()
 
     def __iter__(self) -> Iterator[Any]:
@@ -411,7 +444,7 @@ class SideInputContext:
 
         Maps and multimaps come back as a live read-only mapping: each access answers for
         the record current at that moment (its window, and for keyed views its key's
-        shard), so a ``map_partition`` function may read the view once and use it for
+        entry only), so a ``map_partition`` function may read the view once and use it for
         every row. Singletons and lists are values: read them per record when the view
         is keyed or windowed.
         """

@@ -301,9 +301,11 @@ class MapSideInput(SideInput):
     """A read-only mapping key -> value (per window); a later micro-batch upserts keys.
 
     Broadcast (default): every task sees the whole mapping. ``keyed=True``: the key must
-    match the main input's key, main and side are co-partitioned, and each task's mapping
-    holds only the keys of its partition (so ``mapping.get(row.key)`` finds the current
-    record's entry, while iterating sees one shard). A key twice in one version is a
+    match the main input's key, main and side are co-partitioned, and a record sees only
+    its own key's entry, as keyed state in FLIP-17: ``mapping.get(row.key)`` finds it;
+    iterating, ``len``, ``keys()``, ``items()`` show only that entry; another key raises
+    ``SideInputScopeError`` (use a broadcast view to look up any key). Results never
+    depend on the partition count. A key twice in one version is a
     ``SideInputValueError``.
     """
 

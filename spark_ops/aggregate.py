@@ -9,6 +9,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Generic, TypeVar
 
+from ._errors import SparkOpsConfigError
+
 __all__ = ["AggregateFunction"]
 
 IN = TypeVar("IN")
@@ -86,11 +88,13 @@ def _as_list(values: Any) -> list:
 def _check_aggregate(agg: Any, what: str) -> AggregateFunction:
     """The argument check every operator taking an aggregate uses (clear error before any job)."""
     if agg is None:
-        raise TypeError(f"{what} needs an AggregateFunction, got None")
+        raise SparkOpsConfigError(f"{what} needs an AggregateFunction, got None")
     if isinstance(agg, type):
-        raise TypeError(
+        raise SparkOpsConfigError(
             f"{what} needs an AggregateFunction instance, got the class {agg.__name__}; write {agg.__name__}()"
         )
     if not isinstance(agg, AggregateFunction):
-        raise TypeError(f"{what} needs a spark_ops.AggregateFunction, got {type(agg).__name__}")
+        raise SparkOpsConfigError(
+            f"{what} needs a spark_ops.AggregateFunction, got {type(agg).__name__}"
+        )
     return agg

@@ -41,8 +41,31 @@ def available_task_slots(spark: SparkSession) -> int:
     return int(jsc.maxNumConcurrentTasks(profile))
 
 
-def num_partitions(df: DataFrame) -> int:
-    """The DataFrame's partition count, without running a job."""
+def num_partitions(df: DataFrame) -> int | None:
+    """The DataFrame's partition count as planned, without running a Spark job. Runs on
+    the driver, for validation.
+
+    Without a shuffle the plan's RDD is built without a job. With a shuffle, adaptive
+    query execution (Spark 3.5's default) would run the shuffle-map stages to build the
+    RDD, so the count is read from the plan instead: exact for ``repartition(n)``; for a
+    shuffle Spark inserted itself (``groupBy``, a join) it is the planned count, which
+    adaptive execution may still coalesce. ``None`` when the plan cannot tell without
+    running (e.g. a ``union`` of shuffled DataFrames).
+    """
+    plan = df._jdf.queryExecution().executedPlan()
+    if plan.getClass().getSimpleName() != "AdaptiveSparkPlanExec":
+        return int(df._jdf.rdd().getNumPartitions())
+    if plan.isFinalPlan():  # already executed: its RDD exists
+        return int(plan.execute().getNumPartitions())
+    partitioning = plan.inputPlan().outputPartitioning()
+    if partitioning.getClass().getSimpleName() == "UnknownPartitioning":
+        return None
+    return int(partitioning.numPartitions())
+
+
+def _exact_num_partitions(df: DataFrame) -> int:
+    """The partition count the DataFrame's tasks will have. Under adaptive execution this
+    runs the shuffle-map stages first: call it only once validation is over."""
     return int(df._jdf.rdd().getNumPartitions())
 
 
@@ -126,7 +149,7 @@ class BarrierStage:
     def _run_single(self) -> list[bytes]:
         n = self.num_subtasks
         df = self.streams[0]
-        if num_partitions(df) != n:
+        if _exact_num_partitions(df) != n:
             df = df.repartition(n)
             self.repartitioned = True
         fn = _single_stream_fn(self.task)

@@ -28,6 +28,14 @@ input is hash-partitioned by key (a shuffle) and sorted by key within each parti
 (Spark's external sort), and each key's run of records is handed to the function as it
 passes, so a key with more records than memory holds works as well.
 
+Rich functions (FLIP-380, after Flink's ``RichMapPartitionFunction``): a function or
+aggregate given to ``map_partition``, ``aggregate``, ``reduce`` or ``sort_partition`` (its
+key function), keyed or not, that defines ``open(ctx)`` and/or ``close()`` gets
+``open`` once per Spark partition before its first record and ``close`` once after its
+last (also after a failure). ``ctx`` is a ``FunctionContext`` with ``partition_id`` and
+``num_partitions``. Each task works on its own copy of the object, so ``open`` is the
+place for per-partition resources (a model, a connection).
+
 Functions and aggregates ship to the workers as any PySpark UDF does (cloudpickle):
 those defined in a script, a notebook or inside a function travel by value; those in the
 user's own modules must be importable on the executors (``--py-files``, ``addPyFile``).
@@ -40,6 +48,7 @@ whose output is entirely empty) has no partitions at run time, so it gives no re
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,14 +57,17 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from ._full_partition_tasks import PartitionFunctionError, TaskSpec, run_task
+from ._errors import SparkOpsConfigError, SparkOpsIndexError
+from ._full_partition_tasks import FunctionContext, PartitionFunctionError, TaskSpec, run_task
 from .aggregate import AggregateFunction, _check_aggregate
+from .barrier import num_partitions
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
     from pyspark.sql.types import DataType, StructType
 
 __all__ = [
+    "FunctionContext",
     "KeyedDataFrame",
     "KeyedPartitionWindowedStream",
     "Order",
@@ -82,9 +94,9 @@ def _check_dataframe(df: Any, what: str) -> DataFrame:
     from pyspark.sql import DataFrame
 
     if not isinstance(df, DataFrame):
-        raise TypeError(f"{what} needs a pyspark.sql.DataFrame, got {type(df).__name__}")
+        raise SparkOpsConfigError(f"{what} needs a pyspark.sql.DataFrame, got {type(df).__name__}")
     if df.isStreaming:
-        raise ValueError(
+        raise SparkOpsConfigError(
             f"{what} needs a bounded DataFrame, but df is a streaming DataFrame "
             f"(df.isStreaming is True): a full window is emitted at the end of the input, "
             f"which a stream never reaches. Apply it to each micro-batch instead "
@@ -96,9 +108,11 @@ def _check_dataframe(df: Any, what: str) -> DataFrame:
 
 def _check_function(fn: Any, what: str, shape: str) -> Callable:
     if fn is None:
-        raise TypeError(f"{what} needs a function {shape}, got None")
+        raise SparkOpsConfigError(f"{what} needs a function {shape}, got None")
     if not callable(fn):
-        raise TypeError(f"{what} needs a function {shape}, got a {type(fn).__name__} ({fn!r:.80})")
+        raise SparkOpsConfigError(
+            f"{what} needs a function {shape}, got a {type(fn).__name__} ({fn!r:.80})"
+        )
     return fn
 
 
@@ -107,12 +121,14 @@ def _check_order(order: Any) -> Order:
         return order
     if isinstance(order, str) and order.upper() in Order.__members__:
         return Order[order.upper()]
-    raise TypeError(f"order must be Order.ASCENDING or Order.DESCENDING, got {order!r:.80}")
+    raise SparkOpsConfigError(
+        f"order must be Order.ASCENDING or Order.DESCENDING, got {order!r:.80}"
+    )
 
 
 def _check_flag(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r:.80}")
+        raise SparkOpsConfigError(f"{name} must be True or False, got {value!r:.80}")
     return value
 
 
@@ -128,7 +144,7 @@ def _output_schema(schema: Any, what: str) -> tuple[StructType, bool]:
     from pyspark.sql.types import DataType, StructField, StructType, _parse_datatype_string
 
     if schema is None:
-        raise TypeError(
+        raise SparkOpsConfigError(
             f'{what} needs the schema of its results: a DDL string ("id long, total '
             f'double"), a pyspark StructType, or an atomic type ("double") for one column '
             f"named value"
@@ -137,20 +153,20 @@ def _output_schema(schema: Any, what: str) -> tuple[StructType, bool]:
         try:
             parsed = _parse_datatype_string(schema)
         except Exception as ex:
-            raise ValueError(
+            raise SparkOpsConfigError(
                 f"{what}: schema {schema!r} is not a valid DDL schema or type "
                 f'(e.g. "id long, total double" or "double"): {str(ex).splitlines()[0]}'
             ) from None
     elif isinstance(schema, DataType):
         parsed = schema
     else:
-        raise TypeError(
+        raise SparkOpsConfigError(
             f"{what}: schema must be a DDL string or a pyspark DataType, got "
             f"{type(schema).__name__}"
         )
     if isinstance(parsed, StructType):
         if not parsed.fields:
-            raise ValueError(f"{what}: schema has no columns")
+            raise SparkOpsConfigError(f"{what}: schema has no columns")
         return parsed, False
     return StructType([StructField("value", parsed, True)]), True
 
@@ -161,7 +177,7 @@ def _arrow(schema: StructType, what: str) -> pa.Schema:
     try:
         return to_arrow_schema(schema)
     except Exception as ex:
-        raise TypeError(
+        raise SparkOpsConfigError(
             f"{what}: the schema {schema.simpleString()} has a type Spark cannot exchange "
             f"with Python through Arrow: {ex}"
         ) from None
@@ -219,20 +235,20 @@ def _resolve_name(df: DataFrame, name: str, what: str) -> tuple[Column, str, Dat
     parts = name.split(".")
     field = _find_field(df.schema.fields, parts[0], cs)
     if field is None:
-        raise ValueError(
+        raise SparkOpsConfigError(
             f"{what}: column {name!r} is not in the DataFrame; its columns are {df.columns}"
         )
     col = F.col(_quote(field.name))
     path = [field.name]
     for part in parts[1:]:
         if not isinstance(field.dataType, StructType):
-            raise ValueError(
+            raise SparkOpsConfigError(
                 f"{what}: {'.'.join(path)!r} has type {field.dataType.simpleString()}, which "
                 f"has no field {part!r} (only struct columns have nested fields)"
             )
         child = _find_field(field.dataType.fields, part, cs)
         if child is None:
-            raise ValueError(
+            raise SparkOpsConfigError(
                 f"{what}: {'.'.join(path)!r} has no field {part!r}; its fields are "
                 f"{field.dataType.names}"
             )
@@ -247,14 +263,14 @@ def _sort_column(df: DataFrame, field: Any, what: str) -> tuple[Column, str]:
     from pyspark.sql import Column
 
     if isinstance(field, bool) or not isinstance(field, (int, str, Column)):
-        raise TypeError(
+        raise SparkOpsConfigError(
             f'{what}: field must be a field index (int), a column name (str, "a.b" for '
             f"a nested field), a Column, or a key function, got {type(field).__name__}"
         )
     if isinstance(field, int):
         n = len(df.columns)
         if not 0 <= field < n:
-            raise IndexError(
+            raise SparkOpsIndexError(
                 f"{what}: field index {field} is out of range: the DataFrame has {n} "
                 f"column(s), so use 0..{n - 1} ({df.columns})"
             )
@@ -267,13 +283,13 @@ def _sort_column(df: DataFrame, field: Any, what: str) -> tuple[Column, str]:
         try:
             dtype = df.select(field).schema.fields[0].dataType
         except Exception as ex:
-            raise ValueError(
+            raise SparkOpsConfigError(
                 f"{what}: the Column {field} does not resolve against the DataFrame "
                 f"(columns {df.columns}): {str(ex).splitlines()[0]}"
             ) from None
         label = str(field)
     if not _orderable(dtype):
-        raise TypeError(
+        raise SparkOpsConfigError(
             f"{what}: {label!r} has type {dtype.simpleString()}, which Spark cannot sort "
             f"(maps and calendar intervals have no order); sort by a field inside it or by "
             f"a key function"
@@ -300,7 +316,26 @@ def _max_rows(df: DataFrame) -> int:
 # -- the windows ---------------------------------------------------------------------------
 
 
-def _map_in_arrow(df: DataFrame, spec: TaskSpec, user: Any, schema: StructType) -> DataFrame:
+def _coalescable(df: DataFrame) -> bool:
+    """True when adaptive execution may coalesce a shuffle whose size Spark chose (the
+    keyed shuffle without ``key_by(num_partitions=...)``): its planned count is only an
+    upper bound."""
+    conf = df.sparkSession.conf
+    return all(
+        str(conf.get(k, "true")).lower() == "true"
+        for k in ("spark.sql.adaptive.enabled", "spark.sql.adaptive.coalescePartitions.enabled")
+    )
+
+
+def _map_in_arrow(
+    df: DataFrame, spec: TaskSpec, user: Any, schema: StructType, *, sized: bool = True
+) -> DataFrame:
+    """``sized``: False when the last shuffle's size is Spark's own choice."""
+    if callable(getattr(user, "open", None)):
+        # a rich function's open(ctx) learns the partition count: read from the plan
+        # (no job), only for functions that ask; unknown rather than a wrong number
+        n = num_partitions(df) if sized or not _coalescable(df) else None
+        spec = dataclasses.replace(spec, num_partitions=n)
     return df.mapInArrow(functools.partial(run_task, spec, user), schema)
 
 
@@ -407,9 +442,9 @@ def key_by(
     _check_dataframe(df, what)
     names = (key,) if isinstance(key, str) else key
     if isinstance(names, (list, tuple)) and not names:
-        raise ValueError(f"{what} needs at least one key column, got {key!r}")
+        raise SparkOpsConfigError(f"{what} needs at least one key column, got {key!r}")
     if not isinstance(names, (list, tuple)) or not all(isinstance(k, str) for k in names):
-        raise TypeError(
+        raise SparkOpsConfigError(
             f"{what}: key must be a column name or a list of column names, got {key!r:.80}"
         )
     if num_partitions is not None and (
@@ -417,7 +452,7 @@ def key_by(
         or not isinstance(num_partitions, int)
         or num_partitions < 1
     ):
-        raise ValueError(
+        raise SparkOpsConfigError(
             f"{what}: num_partitions must be an int >= 1 or None, got {num_partitions!r}"
         )
     cs = _case_sensitive(df)
@@ -431,18 +466,18 @@ def key_by(
                 if "." in name
                 else ""
             )
-            raise ValueError(
+            raise SparkOpsConfigError(
                 f"{what}: key column {name!r} is not in the DataFrame; its columns are "
                 f"{df.columns}{hint}"
             )
         if not _orderable(field.dataType):
-            raise TypeError(
+            raise SparkOpsConfigError(
                 f"{what}: key column {field.name!r} has type {field.dataType.simpleString()}, "
                 f"which Spark cannot group and sort by; key by a field inside it instead"
             )
         resolved.append(field.name)
     if len(set(resolved)) != len(resolved):
-        raise ValueError(f"{what}: key columns repeat: {resolved}")
+        raise SparkOpsConfigError(f"{what}: key columns repeat: {resolved}")
     return KeyedDataFrame(df, tuple(resolved), num_partitions)
 
 
@@ -495,7 +530,7 @@ def _map_partition(
     )
     if keys:
         df = _grouped(df, keys, n)
-    return _map_in_arrow(df, spec, fn, struct)
+    return _map_in_arrow(df, spec, fn, struct, sized=not keys or n is not None)
 
 
 def _sort_partition(
@@ -507,7 +542,7 @@ def _sort_partition(
 
     what = "sort_partition"
     if field is None:
-        raise TypeError(
+        raise SparkOpsConfigError(
             f"{what} needs a field: a field index, a column name, a Column, or a key "
             f"function, got None"
         )
@@ -519,7 +554,7 @@ def _sort_partition(
         name = _unused_name(df.columns, _SORT_KEY)
         spec = TaskSpec(op=what, fn_name=_fn_name(field), sort_key_column=name)
         with_key = StructType([*df.schema.fields, StructField(name, BinaryType(), False)])
-        keyed = _map_in_arrow(base, spec, field, with_key)
+        keyed = _map_in_arrow(base, spec, field, with_key, sized=not keys or n is not None)
         sort_key = F.col(name).asc() if direction is Order.ASCENDING else F.col(name).desc()
         return keyed.sortWithinPartitions(*key_cols, sort_key).drop(name)
     col, _ = _sort_column(df, field, what)
@@ -546,7 +581,7 @@ def _aggregate(
     if keys:
         clash = [f.name for f in struct.fields if f.name in keys]
         if clash:
-            raise ValueError(
+            raise SparkOpsConfigError(
                 f"{what}: the result columns {clash} have the names of key columns; the "
                 f"output is the key columns followed by the result's, so rename them"
             )
@@ -566,7 +601,7 @@ def _aggregate(
     )
     if keys:
         df = _grouped(df, keys, n)
-    return _map_in_arrow(df, spec, agg, out)
+    return _map_in_arrow(df, spec, agg, out, sized=not keys or n is not None)
 
 
 def _reduce(df: DataFrame, keys: tuple[str, ...], n: int | None, fn: Any) -> DataFrame:
@@ -581,4 +616,4 @@ def _reduce(df: DataFrame, keys: tuple[str, ...], n: int | None, fn: Any) -> Dat
     )
     if keys:
         df = _grouped(df, keys, n)
-    return _map_in_arrow(df, spec, fn, df.schema)
+    return _map_in_arrow(df, spec, fn, df.schema, sized=not keys or n is not None)

@@ -47,6 +47,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from ._errors import SparkOpsConfigError
 from .aggregate import AggregateFunction, _check_aggregate
 
 __all__ = [
@@ -137,7 +138,7 @@ def stable_hash(key: Any) -> int:
         return stable_hash(float(key)) if float(key) == key else _digest(b"d", str(key).encode())
     if isinstance(key, (datetime.date, datetime.time, datetime.timedelta)):
         return _digest(b"t" + type(key).__name__.encode(), str(key).encode())
-    raise TypeError(
+    raise SparkOpsConfigError(
         f"a state key must be None, bool, int, float, str, bytes, a numpy scalar, a "
         f"Decimal, a date/time or a tuple of those; got {type(key).__name__} ({key!r}). "
         f"Convert it to one of them (e.g. str(key) or a tuple of its fields)"
@@ -159,7 +160,7 @@ def _check_max_parallelism(max_parallelism: Any) -> int:
         or isinstance(max_parallelism, bool)
         or not 1 <= max_parallelism <= _MAX_MAX_PARALLELISM
     ):
-        raise ValueError(
+        raise SparkOpsConfigError(
             f"max_parallelism must be an int in [1, {_MAX_MAX_PARALLELISM}], got "
             f"{max_parallelism!r}; it is the number of key groups and bounds how far the "
             f"state can be rescaled (default {DEFAULT_MAX_PARALLELISM})"
@@ -196,7 +197,7 @@ class KeyGroupRange:
 
     def __post_init__(self) -> None:
         if not 0 <= self.start <= self.end:
-            raise ValueError(f"KeyGroupRange needs 0 <= start <= end, got {self}")
+            raise SparkOpsConfigError(f"KeyGroupRange needs 0 <= start <= end, got {self}")
 
     def __contains__(self, key_group: object) -> bool:
         return isinstance(key_group, int) and self.start <= key_group < self.end
@@ -210,9 +211,9 @@ class KeyGroupRange:
 
 def _check_subtask(subtask_index: Any, parallelism: Any, max_parallelism: int) -> None:
     if not isinstance(parallelism, int) or isinstance(parallelism, bool) or parallelism < 1:
-        raise ValueError(f"parallelism must be an int >= 1, got {parallelism!r}")
+        raise SparkOpsConfigError(f"parallelism must be an int >= 1, got {parallelism!r}")
     if parallelism > max_parallelism:
-        raise ValueError(
+        raise SparkOpsConfigError(
             f"parallelism {parallelism} exceeds max_parallelism {max_parallelism}: every "
             f"subtask needs at least one key group; raise max_parallelism"
         )
@@ -221,7 +222,7 @@ def _check_subtask(subtask_index: Any, parallelism: Any, max_parallelism: int) -
         or isinstance(subtask_index, bool)
         or not 0 <= subtask_index < parallelism
     ):
-        raise ValueError(
+        raise SparkOpsConfigError(
             f"subtask_index must be an int in [0, {parallelism}), got {subtask_index!r}"
         )
 
@@ -243,7 +244,9 @@ def subtask_for_key_group(
     """The subtask of ``parallelism`` whose ``key_group_range`` holds ``key_group``."""
     _check_max_parallelism(max_parallelism)
     if not isinstance(key_group, int) or not 0 <= key_group < max_parallelism:
-        raise ValueError(f"key_group must be an int in [0, {max_parallelism}), got {key_group!r}")
+        raise SparkOpsConfigError(
+            f"key_group must be an int in [0, {max_parallelism}), got {key_group!r}"
+        )
     _check_subtask(0, parallelism, max_parallelism)
     return key_group * parallelism // max_parallelism
 
@@ -262,7 +265,7 @@ class KeyGroupState:
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.accumulators):
-            raise ValueError("KeyGroupState needs as many accumulators as keys")
+            raise SparkOpsConfigError("KeyGroupState needs as many accumulators as keys")
 
 
 @dataclass(frozen=True)
@@ -285,13 +288,15 @@ class KeyedStateSnapshot:
         _check_max_parallelism(self.max_parallelism)
         _check_subtask(self.subtask_index, self.parallelism, self.max_parallelism)
         if self.version != _SNAPSHOT_VERSION:
-            raise ValueError(
+            raise SparkOpsConfigError(
                 f"KeyedStateSnapshot version {self.version} is not supported (this code "
                 f"reads version {_SNAPSHOT_VERSION})"
             )
         for kg in self.key_groups:
             if not 0 <= kg.key_group < self.max_parallelism:
-                raise ValueError(f"key group {kg.key_group} is outside [0, {self.max_parallelism})")
+                raise SparkOpsConfigError(
+                    f"key group {kg.key_group} is outside [0, {self.max_parallelism})"
+                )
 
     @property
     def num_entries(self) -> int:
@@ -303,19 +308,23 @@ def _check_snapshots(snapshots: Any) -> list[KeyedStateSnapshot]:
     if isinstance(snapshots, KeyedStateSnapshot):
         snapshots = [snapshots]
     if snapshots is None or isinstance(snapshots, (str, bytes)):
-        raise TypeError(f"snapshots must be a list of KeyedStateSnapshot, got {snapshots!r}")
+        raise SparkOpsConfigError(
+            f"snapshots must be a list of KeyedStateSnapshot, got {snapshots!r}"
+        )
     snaps = list(snapshots)
     if not snaps:
-        raise ValueError("snapshots is empty: pass the KeyedStateSnapshot of every old subtask")
+        raise SparkOpsConfigError(
+            "snapshots is empty: pass the KeyedStateSnapshot of every old subtask"
+        )
     for i, s in enumerate(snaps):
         if not isinstance(s, KeyedStateSnapshot):
-            raise TypeError(
+            raise SparkOpsConfigError(
                 f"snapshots[{i}] is a {type(s).__name__}, not a KeyedStateSnapshot (what "
                 f"LocalKeyedState.snapshot() returns)"
             )
     maxp = {s.max_parallelism for s in snaps}
     if len(maxp) != 1:
-        raise ValueError(
+        raise SparkOpsConfigError(
             f"the snapshots disagree on max_parallelism ({sorted(maxp)}); they must come "
             f"from one checkpoint"
         )
@@ -342,17 +351,17 @@ def redistribute(
     """
     snaps = _check_snapshots(snapshots)
     if strategy not in ("even", "key_group"):
-        raise ValueError(f'strategy must be "even" or "key_group", got {strategy!r}')
+        raise SparkOpsConfigError(f'strategy must be "even" or "key_group", got {strategy!r}')
     maxp = snaps[0].max_parallelism
     _check_subtask(0, new_parallelism, maxp)
     old_p = {s.parallelism for s in snaps}
     if len(old_p) != 1 or len(snaps) != next(iter(old_p)):
-        raise ValueError(
+        raise SparkOpsConfigError(
             f"redistribute needs the snapshot of every old subtask exactly once: got "
             f"{len(snaps)} snapshot(s) for parallelism {sorted(old_p)}"
         )
     if sorted(s.subtask_index for s in snaps) != list(range(len(snaps))):
-        raise ValueError(
+        raise SparkOpsConfigError(
             "redistribute got two snapshots of the same subtask (subtask indexes "
             f"{sorted(s.subtask_index for s in snaps)}); pass one per old subtask"
         )
@@ -402,7 +411,7 @@ class LocalKeyedState(Generic[IN, ACC, OUT]):
     def __post_init__(self) -> None:
         _check_aggregate(self.aggregate, "LocalKeyedState(aggregate)")
         if not self.aggregate.is_mergeable():
-            raise TypeError(
+            raise SparkOpsConfigError(
                 f"LocalKeyedState needs a mergeable aggregate: {type(self.aggregate).__name__} "
                 f"does not implement merge(), so the instances of a key written by different "
                 f"subtasks could not be combined on restore with another parallelism"
@@ -429,7 +438,7 @@ class LocalKeyedState(Generic[IN, ACC, OUT]):
         cols = values if isinstance(values, tuple) else (values,)
         cols = tuple(np.asarray(c) for c in cols)
         if keys_arr.ndim != 1 or any(len(c) != len(keys_arr) for c in cols):
-            raise ValueError(
+            raise SparkOpsConfigError(
                 f"add_batch needs 1-d keys and values of the same length, got "
                 f"{keys_arr.shape} keys and {[c.shape for c in cols]} values"
             )
@@ -529,7 +538,7 @@ class LocalKeyedState(Generic[IN, ACC, OUT]):
         deterministic. After a rescale pass this subtask's entry of ``redistribute(...)``.
         """
         if not isinstance(snapshot, KeyedStateSnapshot):
-            raise TypeError(
+            raise SparkOpsConfigError(
                 f"restore needs a KeyedStateSnapshot (what LocalKeyedState.snapshot() "
                 f"returns), got {type(snapshot).__name__}; after a rescale pass one entry of "
                 f"redistribute(snapshots, new_parallelism)"

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ._errors import SparkOpsConfigError
 from .aggregate import AggregateFunction, _check_aggregate
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ _DEFAULT_BUFFER_BYTES = 128 << 20
 _DEFAULT_MAX_LOCAL_KEYS = 1 << 20
 
 
-class NonMergeableAggregateError(TypeError):
+class NonMergeableAggregateError(SparkOpsConfigError):
     """The aggregate cannot be merged, so it cannot run in two phases."""
 
 
@@ -129,7 +130,7 @@ def _metrics_from_accumulator(value: dict) -> LocalAggMetrics | None:
 
 def _check_positive_int(value: Any, name: str, fix: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}; {fix}")
+        raise SparkOpsConfigError(f"{name} must be an int >= 1, got {value!r}; {fix}")
     return value
 
 
@@ -139,14 +140,16 @@ def _names(value: Any, what: str) -> tuple[str, ...]:
     elif isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
         names = tuple(value)
     else:
-        raise TypeError(f"{what} must be a column name or a list of column names, got {value!r}")
+        raise SparkOpsConfigError(
+            f"{what} must be a column name or a list of column names, got {value!r}"
+        )
     if not names:
-        raise ValueError(f"{what} is empty: name at least one column")
+        raise SparkOpsConfigError(f"{what} is empty: name at least one column")
     for n in names:
         if not isinstance(n, str) or not n:
-            raise TypeError(f"{what} must hold column names (non-empty str), got {n!r}")
+            raise SparkOpsConfigError(f"{what} must hold column names (non-empty str), got {n!r}")
     if len(set(names)) != len(names):
-        raise ValueError(f"{what} names a column twice: {list(names)}")
+        raise SparkOpsConfigError(f"{what} names a column twice: {list(names)}")
     return names
 
 
@@ -227,18 +230,20 @@ def local_key_by(
     from pyspark.sql import DataFrame
 
     if df is None or not isinstance(df, DataFrame):
-        raise TypeError(f"local_key_by needs a pyspark DataFrame, got {type(df).__name__}")
+        raise SparkOpsConfigError(
+            f"local_key_by needs a pyspark DataFrame, got {type(df).__name__}"
+        )
     keys = _names(key, "local_key_by(key)")
     missing = [k for k in keys if k not in df.columns]
     if missing:
-        raise ValueError(
+        raise SparkOpsConfigError(
             f"local_key_by(key): column(s) {missing} are not in the DataFrame; its columns "
             f"are {df.columns}"
         )
     if num_reducers is not None:
         _check_positive_int(num_reducers, "num_reducers", "or None for Spark's default")
         if df.isStreaming:
-            raise ValueError(
+            raise SparkOpsConfigError(
                 "num_reducers cannot be set for a streaming DataFrame: the partitions of "
                 "a streaming aggregation's state are fixed by spark.sql.shuffle.partitions "
                 "when the query first starts; leave num_reducers=None"
@@ -274,9 +279,9 @@ class LocalKeyedView:
 
     def _column(self, name: Any, arg: str, what: str) -> Any:
         if not isinstance(name, str) or not name:
-            raise TypeError(f"{what}: {arg} must be a column name (str), got {name!r}")
+            raise SparkOpsConfigError(f"{what}: {arg} must be a column name (str), got {name!r}")
         if name not in self._fields:
-            raise ValueError(
+            raise SparkOpsConfigError(
                 f"{what}: {arg}={name!r} is not a column of the DataFrame; its columns are "
                 f"{self._df.columns}"
             )
@@ -285,9 +290,9 @@ class LocalKeyedView:
     def _alias(self, alias: Any, default: str, what: str) -> str:
         name = default if alias is None else alias
         if not isinstance(name, str) or not name:
-            raise TypeError(f"{what}: alias must be a non-empty str, got {alias!r}")
+            raise SparkOpsConfigError(f"{what}: alias must be a non-empty str, got {alias!r}")
         if name in self.keys:
-            raise ValueError(
+            raise SparkOpsConfigError(
                 f"{what}: the result column {name!r} would clash with a key column; pass "
                 f"another alias="
             )
@@ -391,13 +396,13 @@ class LocalKeyedView:
         what = self._what(f"{op}({column!r})")
         field = self._column(column, "column", what)
         if op in ("sum", "mean") and not _is_numeric(field.dataType):
-            raise TypeError(
+            raise SparkOpsConfigError(
                 f"{what}: {op} needs an integer or floating-point column, but {column!r} "
                 f"has type {field.dataType.simpleString()}; cast it "
                 f"(F.col({column!r}).cast('double'))"
             )
         if op in ("min", "max") and not _is_orderable(field.dataType):
-            raise TypeError(
+            raise SparkOpsConfigError(
                 f"{what}: column {column!r} has type {field.dataType.simpleString()}, which "
                 f"has no order {op} can use; pick a numeric, string, date or timestamp column"
             )
@@ -467,7 +472,7 @@ class LocalKeyedView:
         _check_positive_int(n, "top_n(n)", "the number of rows to keep per key")
         field = self._column(by, "by", what)
         if not _is_orderable(field.dataType):
-            raise TypeError(
+            raise SparkOpsConfigError(
                 f"{what}: by={by!r} has type {field.dataType.simpleString()}, which has no "
                 f"order; pick a numeric, string, date or timestamp column"
             )
@@ -520,7 +525,7 @@ class LocalKeyedView:
         for v in values:
             self._column(v, "value", what)
         if result_type is None:
-            raise TypeError(
+            raise SparkOpsConfigError(
                 f"{what}: pass result_type=, the Spark type of {name}.get_result's values "
                 f"(e.g. result_type='double', 'bigint', 'array<double>' or a DataType)"
             )
@@ -555,19 +560,21 @@ class LocalKeyedView:
 
         what = self._what(f"reduce({getattr(fn, '__name__', type(fn).__name__)})")
         if fn is None or not callable(fn):
-            raise TypeError(f"{what}: fn must be a callable fn(a, b) -> value, got {fn!r}")
+            raise SparkOpsConfigError(
+                f"{what}: fn must be a callable fn(a, b) -> value, got {fn!r}"
+            )
         field = self._column(value, "value", what)
         rtype = field.dataType if result_type is None else _parse_type(result_type, what)
         alias_name = self._alias(alias, f"reduce({value})", what)
         ufunc = K.reduce_numpy(fn)
         if ufunc is not None:
             if not (_is_numeric(field.dataType) or field.dataType.typeName() == "boolean"):
-                raise TypeError(
+                raise SparkOpsConfigError(
                     f"{what}: a numpy ufunc reduces numbers, but {value!r} has type "
                     f"{field.dataType.simpleString()}; pass a Python function instead"
                 )
             if result_type is not None and rtype != field.dataType:
-                raise ValueError(
+                raise SparkOpsConfigError(
                     f"{what}: a numpy ufunc reduce keeps the column's type "
                     f"({field.dataType.simpleString()}); cast the column instead of result_type"
                 )
@@ -597,14 +604,14 @@ def _parse_type(result_type: Any, what: str) -> DataType:
     if isinstance(result_type, DataType):
         return result_type
     if not isinstance(result_type, str):
-        raise TypeError(
+        raise SparkOpsConfigError(
             f"{what}: result_type must be a Spark DDL type string or a DataType, got "
             f"{result_type!r}"
         )
     try:
         return _parse_datatype_string(result_type)
     except Exception as ex:
-        raise ValueError(
+        raise SparkOpsConfigError(
             f"{what}: result_type={result_type!r} is not a Spark type (try 'double', "
             f"'bigint', 'string', 'array<double>', 'struct<a: double, b: bigint>')"
         ) from ex
@@ -741,7 +748,7 @@ class LocalAggregation:
 
     def _bounded_only(self, call: str) -> None:
         if self.is_streaming:
-            raise TypeError(
+            raise SparkOpsConfigError(
                 f"{self._plan.what}.{call} needs a bounded DataFrame, but the input is "
                 f"streaming: start a query on .df (e.g. .df.writeStream.outputMode('update')"
                 f".format(...).start()) and read the results from its sink"
@@ -774,7 +781,7 @@ class LocalAggregation:
         """Figures of the latest execution of each task (None before any task ran). Bounded only;
         for a streaming query use ``metrics_from(query)``."""
         if self.is_streaming:
-            raise TypeError(
+            raise SparkOpsConfigError(
                 f"{self._plan.what}: a streaming aggregation reports metrics per micro-batch; "
                 f"use .metrics_from(query) (or query.lastProgress['observedMetrics']"
                 f"[{self.observed_name!r}])"

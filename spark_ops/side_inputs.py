@@ -20,7 +20,7 @@ Views (``ctx.side_input(view)`` returns)
     several; keys and values look exactly as ``df.collect()`` gives them, like the main
     Rows the function gets. A singleton with two values at once, or a map with a key
     twice in one version, is a ``SideInputValueError``. Maps are live: each access
-    answers for the record current at that moment (its window, its key's shard), so a
+    answers for the record current at that moment (its window, its key), so a
     ``map_partition`` function can read a map once and use it for every row.
 
 Broadcast or keyed (where the side data goes)
@@ -33,8 +33,10 @@ Broadcast or keyed (where the side data goes)
     and side are co-partitioned, never broadcast: bounded ones are unioned, shuffled
     together by the key and sorted so each partition's side rows precede its main rows;
     the task folds only its partition's share of the side data (1/n of it), then runs
-    the main rows. A keyed map in a task therefore holds one shard: ``get(row.key)``
-    finds the current record's entry, iteration sees the shard.
+    the main rows. A keyed map or multimap shows a record only its own key's entry (as
+    FLIP-17's keyed state): ``get(row.key)`` finds it, iteration and ``len`` see only
+    it, and asking for another key raises ``SideInputScopeError`` (use a broadcast view
+    to look up any key), so results never depend on the partition count.
 
 Static and evolving
     A bounded main input needs bounded views: the result is a lazy DataFrame, side data
@@ -92,6 +94,7 @@ from ._side_errors import (
     SideInputError,
     SideInputKeyError,
     SideInputNotReadyError,
+    SideInputScopeError,
     SideInputValueError,
 )
 from ._side_plan import broadcast_contents, check_main, make_plan, run_on
@@ -121,6 +124,7 @@ __all__ = [
     "SideInputNotReadyError",
     "SideInputOperation",
     "SideInputQuery",
+    "SideInputScopeError",
     "SideInputStream",
     "SideInputValueError",
     "SingletonSideInput",

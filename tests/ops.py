@@ -156,9 +156,10 @@ class Recorder(hi.PartitionOperator):
 class RecordingCoordinator(hi.CoordinatorOperator):
     """Records its callbacks as ("coord", (kind, epoch)) and publishes a version number."""
 
-    def __init__(self, publish=True, criteria_until=None):
+    def __init__(self, publish=True, criteria_until=None, publish_until=None):
         self.publish = publish
         self.criteria_until = criteria_until
+        self.publish_until = publish_until
 
     def open(self, init_variables, ctx):
         self.version = int(init_variables["version"])
@@ -170,7 +171,7 @@ class RecordingCoordinator(hi.CoordinatorOperator):
     def on_epoch_watermark_incremented(self, epoch, ctx, out):
         out.output("coord", ("watermark", epoch, sorted(set(self.feedback_epochs))))
         self.feedback_epochs = []
-        if self.publish:
+        if self.publish and (self.publish_until is None or epoch < self.publish_until):
             self.version += 1
             out.publish_variables(version=self.version)
         if self.criteria_until is not None and epoch < self.criteria_until:

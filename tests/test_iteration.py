@@ -88,17 +88,18 @@ def test_epoch_zero_never_terminates(spark):
     assert [(k, e) for k, e, _ in result.outputs["coord"]] == [("watermark", 0), ("terminated", 0)]
 
 
-def test_terminates_after_the_first_epoch_without_feedback(spark):
+def test_terminates_after_the_first_epoch_without_a_publish(spark):
+    """The feedback edge is publish_variables (as in Flink ML): partitions report in every
+    epoch, the coordinator publishes in epochs 0, 1, 2 only."""
     df = spark.range(10, numPartitions=2)
     result = run(
         df,
-        hi.IterationBody(
-            partition=Recorder(feedback_until=3), coordinator=RecordingCoordinator(publish=False)
-        ),
+        hi.IterationBody(partition=Recorder(), coordinator=RecordingCoordinator(publish_until=3)),
         parallelism=2,
+        max_epochs=20,
     )
-    assert result.terminated_by == "no_feedback"
-    assert result.epochs == 4  # feedback in epochs 0, 1, 2; none in epoch 3
+    assert result.terminated_by == "no_variables_published"
+    assert result.epochs == 4  # published in epochs 0, 1, 2; nothing in epoch 3
     assert [e for _, k, e in events(result, 0) if k == "watermark"] == [0, 1, 2, 3]
 
 

@@ -94,18 +94,24 @@ def test_per_round_operators_see_exactly_their_round(zero_to_999):
     )
     assert (result.terminated_by, result.epochs, result.extra["rounds"]) == ("criteria", 5, 5)
     rounds = by_epoch(result.outputs["round"])
-    assert sorted(rounds) == [0, 1, 2, 3, 4]
+    # rounds 0-4 read the data; round 5, into which the variables of round 4 were fed
+    # back, still runs its per-round operators before termination (as in Flink ML), with
+    # no replayed data: replay stops at termination
+    assert sorted(rounds) == [0, 1, 2, 3, 4, 5]
     instances = set()
     for epoch, records in rounds.items():
         assert sorted(r[1] for r in records) == [0, 1, 2, 3]
         for _, _, instance, rows, total, data_epochs, _ in records:
-            assert (rows, total) == (1000, 499500)  # every round's sum is the same
-            assert data_epochs == [epoch]  # replayed records carry the round's epoch
+            if epoch < 5:
+                assert (rows, total) == (1000, 499500)  # every round's sum is the same
+                assert data_epochs == [epoch]  # replayed records carry the round's epoch
+            else:
+                assert (rows, total, data_epochs) == (0, 0, [])
             instances.add(instance)
-    assert len(instances) == 5 * 4  # a fresh partition operator per round and subtask
+    assert len(instances) == 6 * 4  # a fresh partition operator per round and subtask
     coords = result.outputs["coord"]
-    assert [c[0] for c in coords] == [0, 1, 2, 3, 4]
-    assert len({c[1] for c in coords}) == 5  # a fresh coordinator operator per round
+    assert [c[0] for c in coords] == [0, 1, 2, 3, 4, 5]
+    assert len({c[1] for c in coords}) == 6  # a fresh coordinator operator per round
     assert all(c[2] == 4 for c in coords)  # each saw only its round's feedback
     # per-round operators are closed with their round: termination reaches none of them
     assert "round_terminated" not in result.outputs and "coord_terminated" not in result.outputs
@@ -144,9 +150,11 @@ def test_for_each_round_mixes_all_round_and_per_round_operators(spark, zero_to_9
         assert [r[3] for r in mine] == [1010, 2010, 3010]
     # the per-round operator: fresh every round, only the replayed stream, only its round
     each = by_epoch(result.outputs["each"])
+    assert sorted(each) == [0, 1, 2, 3]  # round 3: the terminating round, no data
     for epoch, records in each.items():
-        assert {(r[3], r[4], tuple(r[5])) for r in records} == {(1000, 499500, (epoch,))}
-    assert len({r[2] for rs in each.values() for r in rs}) == 3 * 4
+        expected = (1000, 499500, (epoch,)) if epoch < 3 else (0, 0, ())
+        assert {(r[3], r[4], tuple(r[5])) for r in records} == {expected}
+    assert len({r[2] for rs in each.values() for r in rs}) == 4 * 4
     # termination reaches the operators still alive: the all-round ones
     assert sorted(p for p, _ in result.outputs["all_terminated"]) == [0, 1, 2, 3]
     assert "each_terminated" not in result.outputs

@@ -61,9 +61,53 @@ def test_terminates_when_nothing_circulated_into_the_epoch():
     for p in (0, 1):
         m.report(p, 1)  # no feedback from anybody
     m.next_alignment()
-    assert m.complete_alignment(1) is TerminationReason.NO_FEEDBACK  # and no publish
+    assert m.complete_alignment(1) is TerminationReason.NO_VARIABLES_PUBLISHED
     assert m.releasable() == [Release(0, 1, True), Release(1, 1, True)]
     assert m.epochs_completed == 1
+    assert m.terminating_round is None  # nothing was fed back into round 1
+
+
+def test_partition_feedback_alone_does_not_keep_it_alive():
+    """The feedback edge is publish_variables: partitions that keep reporting while the
+    coordinator stopped publishing end the iteration at the next alignment (issue 14)."""
+    m = sm(2)
+    for p in (0, 1):
+        m.report(p, 0)
+    align_all(m)
+    m.releasable()
+    for p in (0, 1):
+        m.report(p, 1, feedback=3)  # partitions report in epoch 0 ...
+    assert m.next_alignment() == 1  # ... but the coordinator published nothing in it
+    assert m.complete_alignment(1) is TerminationReason.NO_VARIABLES_PUBLISHED
+    assert m.epochs_completed == 1
+
+
+def test_the_former_reason_name_is_still_accepted():
+    reason = TerminationReason.NO_VARIABLES_PUBLISHED
+    assert TerminationReason.NO_FEEDBACK is reason
+    assert TerminationReason("no_feedback") is reason
+    assert reason == "no_feedback" and reason == "no_variables_published"
+    assert reason != "criteria" and str(reason) == "no_variables_published"
+    assert TerminationReason.CRITERIA == "criteria" and TerminationReason.CRITERIA != reason
+
+
+def test_terminating_round_is_the_round_variables_were_fed_into():
+    m = sm(1, has_criteria=True)
+    m.report(0, 0)
+    align_all(m)
+    m.releasable()
+    m.report(0, 1)
+    m.record_coordinator(0, published=1)  # variables fed into round 1 ...
+    assert m.complete_alignment(1) is TerminationReason.CRITERIA  # ... but no criteria
+    assert m.terminating_round == 1
+    m = sm(1, max_epochs=1)
+    m.report(0, 0)
+    align_all(m)
+    m.releasable()
+    m.report(0, 1)
+    m.record_coordinator(0, published=2)
+    assert m.complete_alignment(1) is TerminationReason.MAX_EPOCHS
+    assert m.terminating_round is None  # max_epochs caps the rounds: none runs epoch 1
 
 
 def test_a_coordinator_publish_alone_keeps_it_running():
@@ -82,9 +126,11 @@ def test_criteria_stream_that_emitted_nothing_terminates():
     align_all(m)
     m.releasable()
     m.report(0, 1, feedback=1, criteria=1)
+    m.record_coordinator(0, published=1)
     assert m.complete_alignment(1) is None
     m.releasable()
     m.report(0, 2, feedback=1)
+    m.record_coordinator(1, published=1)
     assert m.complete_alignment(2) is TerminationReason.CRITERIA
 
 
@@ -94,7 +140,7 @@ def test_criteria_from_coordinator_counts():
     align_all(m)
     m.releasable()
     m.report(0, 1, feedback=1)
-    m.record_coordinator(0, criteria=1)
+    m.record_coordinator(0, criteria=1, published=1)
     assert m.complete_alignment(1) is None
 
 
@@ -195,3 +241,46 @@ def test_random_schedules_keep_the_staleness_bound(n, staleness, max_epochs, see
         m.validate()
     assert m.terminated is TerminationReason.MAX_EPOCHS
     assert m.epochs_completed == max_epochs
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 3),
+    staleness=st.one_of(st.none(), st.integers(0, 2)),
+    publish_until=st.integers(0, 6),
+    max_epochs=st.one_of(st.none(), st.integers(1, 8)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_termination_follows_the_publishes_not_the_partition_feedback(
+    n, staleness, publish_until, max_epochs, seed
+):
+    """Partitions always report feedback; the coordinator publishes in epochs
+    < publish_until. Under any arrival order the iteration ends at alignment
+    max(1, min(publish_until + 1, max_epochs)): by no_variables_published unless
+    max_epochs comes first; neither has a terminating round to run."""
+    rng = random.Random(seed)
+    m = sm(n, staleness=staleness, max_epochs=max_epochs)
+    next_call = dict.fromkeys(range(n), 0)
+    stopped: set[int] = set()
+    steps = 0
+    while len(stopped) < n:
+        steps += 1
+        assert steps < 10_000
+        idle = [p for p in range(n) if p not in stopped and p not in m.pending]
+        p = rng.choice(idle)
+        m.report(p, next_call[p], feedback=1)
+        next_call[p] += 1
+        while (k := m.next_alignment()) is not None:
+            if k >= 1 and k - 1 < publish_until:
+                m.record_coordinator(k - 1, published=1)
+            m.complete_alignment(k)
+        stopped.update(r.pid for r in m.releasable() if r.terminated)
+        m.validate()
+    by_publish = max(publish_until, 0) + 1
+    expected = by_publish if max_epochs is None else min(by_publish, max_epochs)
+    assert m.aligned == expected
+    if max_epochs is not None and max_epochs < by_publish:
+        assert m.terminated is TerminationReason.MAX_EPOCHS
+    else:
+        assert m.terminated is TerminationReason.NO_VARIABLES_PUBLISHED
+    assert m.terminating_round is None

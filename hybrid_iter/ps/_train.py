@@ -266,6 +266,9 @@ class _Epochs(CoordinatorOperator):
                 )
             out.output("loss", loss)
             out.output("loss_trace", (time.time() - self.t0, loss))
+        # The model lives in the shards; publishing the epoch is what feeds the next
+        # epoch (partition feedback alone keeps no iteration alive, docs/semantics.md).
+        out.publish_variables(epoch=epoch + 1)
         if self.tol is not None and epoch + 1 < self.epochs and not loss <= self.tol:
             out.criteria()
 
