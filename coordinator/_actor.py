@@ -20,6 +20,7 @@ from ._checkpoint import CheckpointStore, fingerprint_mismatch
 from ._errors import RemoteFailure
 from ._protocol import Emissions, OutputRecord, Progress, Reply, ResultData
 from ._state import EpochStateMachine, StateMachineError
+from ._tree import CoordinatorTree, TreeSpec
 from ._variables import DEFAULT_INLINE_LIMIT, VariablesPayload, VariablesStore
 
 __all__ = [
@@ -53,6 +54,8 @@ class CoordinatorSpec:
     kill_at_alignment: int | None = None
     inline_limit: int = DEFAULT_INLINE_LIMIT
     progress_tag: str = "loss"
+    #: feedback_combine: merge feedback in a tree (sync only; ``coordinator._tree``)
+    tree: TreeSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,14 @@ class IterationCoordinator:
         self._main = _Slot(self, None, per_round=spec.main_per_round)
         self._round = _Slot(self, None, per_round=True)
         self._listeners: Sequence[Any] = ()
+        self._tree: CoordinatorTree | None = None
         try:
+            if spec.tree is not None:
+                if spec.staleness != 0:
+                    raise ValueError("feedback_combine needs a sync iteration (staleness=0)")
+                self._tree = CoordinatorTree(
+                    spec.tree, spec.num_subtasks, start_groups=put is not None
+                )
             if spec.operators:
                 import cloudpickle
 
@@ -189,8 +199,8 @@ class IterationCoordinator:
                     ex,
                     source=COORDINATOR,
                     epoch=None,
-                    where="loading the coordinator operator in the Ray actor (is its module "
-                    "importable there? see hybrid_iter docs on shipping code)",
+                    where="loading the coordinator operator or feedback combiner in the Ray actor "
+                    "(is its module importable there? see hybrid_iter docs on shipping code)",
                 )
             )
         self._ckpt_store: CheckpointStore | None = None
@@ -234,6 +244,47 @@ class IterationCoordinator:
         attempt: int = 0,
     ) -> Reply:
         """Subtask ``pid``'s call ``epoch``; returns when it may run that epoch (or stop)."""
+        if self._tree is not None:
+            self._tree.calls += 1
+        got = self._accept(pid, epoch, known_version, emissions, rows, attempt)
+        if isinstance(got, Reply):
+            return got
+        self._after_calls()
+        return await got
+
+    async def report_group(
+        self,
+        first_pid: int,
+        epoch: int,
+        members: Sequence[tuple[int, int, Emissions, Sequence[int] | None]],
+        combined: Emissions,
+        attempt: int = 0,
+    ) -> list[Reply]:
+        """A feedback group's call ``epoch`` for its members ``(pid, known_version,
+        emissions without feedback, rows)``, with their feedback merged (``combined``);
+        one alignment step for all of them (tree aggregation, ``coordinator._tree``)."""
+        assert self._tree is not None, "report_group without feedback_combine"
+        self._tree.calls += 1
+        if attempt == self._attempt and not self._failures and self.sm.terminated is None:
+            self._tree.take(first_pid, epoch, combined)
+        got = [self._accept(p, epoch, kv, em, rows, attempt) for p, kv, em, rows in members]
+        self._after_calls()
+        return [g if isinstance(g, Reply) else await g for g in got]
+
+    async def group_of(self, pid: int) -> Any:
+        """The feedback group actor subtask ``pid`` reports to (None: to this actor)."""
+        return self._tree.group_of(pid) if self._tree is not None else None
+
+    def _accept(
+        self,
+        pid: int,
+        epoch: int,
+        known_version: int,
+        emissions: Emissions,
+        rows: Sequence[int] | None,
+        attempt: int,
+    ) -> Reply | asyncio.Future[Reply]:
+        """Validate and take call ``epoch`` of ``pid``: a reply now, or its future."""
         if attempt != self._attempt:
             return self._stale_reply(epoch, attempt)
         if self._failures:
@@ -259,14 +310,21 @@ class IterationCoordinator:
                     self.route_output(tag, max(epoch - 1, 0), pid, value, False)
             elif self.spec.staleness == 0:
                 # Sync: apply in partition order at alignment, so results are deterministic.
+                if self._tree is not None:
+                    self._tree.take(pid, epoch, emissions)
                 self._buffered.setdefault(epoch, {})[pid] = emissions
             else:
                 self._apply_partition_emissions(pid, max(epoch - 1, 0), emissions)
+        except _UserCodeFailed:
+            pass
+        return future
+
+    def _after_calls(self) -> None:
+        try:
             self._advance()
         except _UserCodeFailed:
             pass
         self._release()
-        return await future
 
     async def finish(self, pid: int, emissions: Emissions, attempt: int = 0) -> None:
         """Subtask ``pid`` ran ``on_iteration_terminated``; ``emissions`` are its last."""
@@ -392,6 +450,8 @@ class IterationCoordinator:
 
     def _advance(self) -> None:
         while (k := self.sm.next_alignment()) is not None:
+            if self._tree is not None:
+                self._apply_combined(max(k - 1, 0), *self._tree.totals(k))
             for pid, em in sorted(self._buffered.pop(k, {}).items()):
                 self._apply_partition_emissions(pid, max(k - 1, 0), em)
             if k >= 1:
@@ -444,6 +504,15 @@ class IterationCoordinator:
             self.ctx.source_partition = None
         for tag, value in em.outputs:
             self.route_output(tag, epoch, pid, value, False)
+
+    def _apply_combined(self, epoch: int, main: Any, round_: Any) -> None:
+        """feedback_combine: one ``process_feedback`` per epoch with the merged total
+        (``ctx.source_partition`` is None: the value comes from every partition)."""
+        self.ctx.epoch = epoch
+        round_slot = self._round if self._round.template is not None else self._main
+        for slot, value in ((self._main, main), (round_slot, round_)):
+            if value is not None and slot.template is not None:
+                self._user_call(slot.get(epoch), "process_feedback", value, self.ctx, self._out)
 
     def _coordinator_watermark(self, epoch: int) -> None:
         self.ctx.epoch = epoch
@@ -503,6 +572,8 @@ class IterationCoordinator:
     def _record_failure(self, failure: RemoteFailure) -> None:
         self._failures.append(failure)
         self.sm.fail()
+        if self._tree is not None:
+            self._tree.abort(self._failures[0])
         for epoch, _, future in self._waiters.values():
             if not future.done():
                 future.set_result(self._error_reply(epoch))
