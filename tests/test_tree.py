@@ -35,7 +35,11 @@ class Noisy(hi.PartitionOperator):
 
 
 class Summer(hi.CoordinatorOperator):
-    """Adds the feedback up; per epoch outputs the total and how many calls it took."""
+    """Adds the feedback up; per epoch outputs the total and how many calls it took;
+    continues while ``epoch < last``."""
+
+    def __init__(self, last: int = 2) -> None:
+        self.last = last
 
     def open(self, init_variables, ctx):
         self.acc, self.calls = None, 0
@@ -51,7 +55,7 @@ class Summer(hi.CoordinatorOperator):
         out.output("total", self.acc)
         out.output("calls", self.calls)
         self.acc, self.calls = None, 0
-        if epoch < 2:
+        if epoch < self.last:
             out.criteria()
 
 
@@ -63,9 +67,11 @@ def data(spark):
     df.unpersist()
 
 
-def _run(df, **body_kw):
-    body = hi.IterationBody(partition=Noisy(), coordinator=Summer(), criteria=True, **body_kw)
-    config = hi.IterationConfig(staleness=0, max_epochs=10, parallelism=PARTS, progress=False)
+def _run(df, last=2, config_kw=None, **body_kw):
+    body = hi.IterationBody(partition=Noisy(), coordinator=Summer(last), criteria=True, **body_kw)
+    config = hi.IterationConfig(
+        staleness=0, max_epochs=10, parallelism=PARTS, progress=False, **(config_kw or {})
+    )
     return hi.iterate_bounded_streams_until_termination(
         {"w": np.zeros(1)}, hi.ReplayableDataStreamList.not_replay(df), config, body
     )
@@ -103,6 +109,28 @@ def test_combined_runs_equal_flat_and_repeat_bit_for_bit(data):
         not np.array_equal(f[0], g[0])
         for f, g in zip(flat.outputs["total"], grouped.outputs["total"])
     )
+
+
+def test_a_killed_coordinator_restores_a_tree_run_to_the_same_bits(data, tmp_path):
+    """SIGKILL-like exit of the coordinator process (its group actors die with it) at
+    alignment 3: Ray restarts it, it reloads the checkpoint of alignment 2, the relaunched
+    tasks find their new groups, and the result is the fault-free run's, bit for bit."""
+    tree = {"feedback_combine": "sum", "feedback_fan_in": 2}
+    clean = _run(data, last=4, **tree)
+    killed = _run(
+        data,
+        last=4,
+        config_kw={
+            "checkpoint": hi.CheckpointConfig(str(tmp_path), every_epochs=2),
+            "faults": hi.FaultInjection(kill_coordinator_at=3),
+        },
+        **tree,
+    )
+    assert killed.extra["attempts"], "the fault did not happen"
+    assert clean.epochs == killed.epochs == 5
+    for a, b in zip(clean.outputs["total"], killed.outputs["total"], strict=True):
+        assert np.array_equal(a[0], b[0]) and a[1:] == b[1:]
+    assert killed.outputs["calls"] == [1] * 5
 
 
 class NoMerge:
@@ -181,3 +209,36 @@ def test_groups_bound_the_fan_in_and_precombine_keeps_the_record_count():
     assert max(hi - lo for lo, hi in group_bounds(1024, 32)) == 32
     em = precombine(Emissions(feedback=[1.0, 2.0, 3.0], outputs=[("t", 1)]), SumCombiner())
     assert em.feedback == [6.0] and em.feedback_count == 3 and em.outputs == [("t", 1)]
+
+
+# -- the scale harness, reduced ----------------------------------------------------------------
+
+
+def _bench_scale():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scale.py"
+    mod = sys.modules.get("bench_scale")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("bench_scale", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["bench_scale"] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_scale_harness_at_64_subtasks_flat_and_tree(session):
+    """64 simulated subtasks through the real coordinator and task-side code: flat, every
+    call and value reaches the coordinator; tree (fan-in 32), 2 group calls and one
+    merged value per epoch, and the sum is right (checked inside ``run_config``)."""
+    bench = _bench_scale()
+    flat = bench.run_config(64, 1000, tree=False, epochs=2)
+    tree = bench.run_config(64, 1000, tree=True, epochs=2)
+    assert flat["coordinator_calls_per_epoch"] == 64 and tree["groups"] == 2
+    assert tree["coordinator_calls_per_epoch"] == 2
+    assert flat["process_feedback_calls_per_epoch"] == 64
+    assert tree["process_feedback_calls_per_epoch"] == 1
+    assert tree["coordinator_bytes_in_per_epoch"] < flat["coordinator_bytes_in_per_epoch"] / 10
+    assert bench.fit_growth([2, 4, 8], [1.0, 2.0, 4.0]) == pytest.approx(1.0)
