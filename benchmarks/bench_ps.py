@@ -1,6 +1,6 @@
-"""Issue 10 benchmark: the parameter server's pull + push round trip and updates per second,
-1e3 .. 1e7 float64 parameters on 1, 2 and 4 shards, and a 10,000,000-parameter
-``ps.train`` end to end.
+"""Issues 10 and 19 benchmark: the parameter server's pull + push round trip against a plain
+Ray actor, per-shard CPU, updates per second, 1e3 .. 1e7 float64 parameters on 1, 2 and 4 shards,
+and a 10,000,000-parameter ``ps.train`` end to end.
 
     python benchmarks/bench_ps.py                           # sizes 1e3..1e7, shards 1,2,4
     python benchmarks/bench_ps.py --sizes 1000,1000000 --shards 1,2 --repeats 10

@@ -104,6 +104,9 @@ def _measured_coordinator_class() -> type:
         def _coordinator_watermark(self, epoch: int) -> None:
             # CPU of this process at each alignment k >= 1: per-epoch CPU is the difference
             self.__dict__.setdefault("cpu_marks", []).append(time.process_time())
+            # the event-loop thread alone: the protocol's Python work and the user's
+            # operator, without Ray's transport threads
+            self.__dict__.setdefault("loop_marks", []).append(time.thread_time())
             super()._coordinator_watermark(epoch)
 
         async def probe(self) -> dict:
@@ -115,6 +118,7 @@ def _measured_coordinator_class() -> type:
                 "bytes_in": self.bytes_in,
                 "aligned": self.sm.aligned,
                 "cpu_marks": list(self.__dict__.get("cpu_marks", [])),
+                "loop_marks": list(self.__dict__.get("loop_marks", [])),
                 "groups": len(tree.groups) if tree is not None else 0,
             }
 
@@ -235,6 +239,7 @@ def run_config(
     variables_size: int = 1,
     fan_in: int = 32,
     ops: tuple[bytes, bytes] | None = None,
+    clients: list | None = None,
 ) -> dict:
     """One configuration on the connected Ray: N simulated subtasks, ``epochs`` epochs
     (the first is a warm-up and is left out of the per-epoch figures)."""
@@ -273,8 +278,10 @@ def run_config(
         tree=spec_tree,
     )
     clients_n = min(MAX_CLIENTS, max(1, math.ceil(n / PER_CLIENT)), n)
-    client_cls = ray.remote(num_cpus=0, max_concurrency=2)(_Client)
-    clients = [client_cls.remote() for _ in range(clients_n)]
+    own = clients is None
+    if clients is None:
+        clients = start_clients(clients_n)
+    clients = clients[:clients_n]
     try:
         ray.get(coord.begin_attempt.remote(0))
         ray.get([c.__ray_ready__.remote() for c in clients])
@@ -289,8 +296,9 @@ def run_config(
         groups = ray.get(coord.group_probe.remote())
         result = ray.get(coord.result.remote())
     finally:
-        for c in clients:
-            ray.kill(c)
+        if own:
+            for c in clients:
+                ray.kill(c)
         ray.kill(coord)
     times = result.alignment_times  # alignment k at times[k]; epochs are k -> k + 1
     per_epoch = [b - a for a, b in itertools.pairwise(times[1:])]  # the warm-up epoch left out
@@ -299,6 +307,8 @@ def run_config(
     marks = after["cpu_marks"]
     cpu_epochs = [b - a for a, b in itertools.pairwise(marks)]
     cpu = statistics.median(cpu_epochs) if cpu_epochs else (after["cpu"] - before["cpu"])
+    loop_epochs = [b - a for a, b in itertools.pairwise(after["loop_marks"])]
+    loop_cpu = statistics.median(loop_epochs) if loop_epochs else None
     calls = after["calls"] - before["calls"]
     first = [v for v in result.outputs if v.tag == "first"]
     pf_calls = [v.value for v in result.outputs if v.tag == "process_feedback_calls"]
@@ -321,6 +331,7 @@ def run_config(
         "alignment_s_median": statistics.median(per_epoch) if per_epoch else None,
         "alignment_s_p99": float(np.percentile(per_epoch, 99)) if per_epoch else None,
         "coordinator_cpu_s_per_epoch": cpu,
+        "coordinator_loop_thread_cpu_s_per_epoch": loop_cpu,
         "coordinator_calls_per_epoch": calls / (epochs + 1),  # calls 0 .. epochs
         "coordinator_bytes_in_per_epoch": (after["bytes_in"] - before["bytes_in"]) / epochs,
         "coordinator_rss_peak_bytes": after["rss_peak"],
@@ -340,6 +351,16 @@ def run_config(
     }
 
 
+def start_clients(n: int = MAX_CLIENTS) -> list:
+    """Client processes (Ray actors), reusable across configurations."""
+    import ray
+
+    client_cls = ray.remote(num_cpus=0, max_concurrency=2)(_Client)
+    clients = [client_cls.remote() for _ in range(n)]
+    ray.get([c.__ray_ready__.remote() for c in clients])
+    return clients
+
+
 def fit_growth(ns: list[int], ys: list[float]) -> float | None:
     """``a`` of ``y ~ N^a`` (least squares on log-log; None with under 2 usable points)."""
     pts = [(math.log(n), math.log(y)) for n, y in zip(ns, ys) if y and y > 0]
@@ -349,7 +370,7 @@ def fit_growth(ns: list[int], ys: list[float]) -> float | None:
     return float(np.polyfit(xs, ls, 1)[0])
 
 
-def _fanout_config(n: int, values: int, epochs: int) -> dict:
+def _fanout_config(n: int, values: int, epochs: int, clients: list | None = None) -> dict:
     """Variables broadcast: the coordinator publishes ``values`` float64 every epoch."""
     import cloudpickle
 
@@ -370,23 +391,29 @@ def _fanout_config(n: int, values: int, epochs: int) -> dict:
 
     op, _ = _make_ops(0, epochs, False)
     ops = (op, cloudpickle.dumps((Publisher(epochs), None, [])))
-    return run_config(n, 0, tree=False, epochs=epochs, variables_size=values, ops=ops)
+    return run_config(
+        n, 0, tree=False, epochs=epochs, variables_size=values, ops=ops, clients=clients
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="N = 2, 16, 64, 256; about a minute")
+    ap.add_argument(
+        "--quick", action="store_true", help="N = 2, 32, 256; feedback 0, 1e5; a few minutes"
+    )
     ap.add_argument("--ns", default=None, help="comma-separated subtask counts")
     ap.add_argument("--sizes", default=None, help="comma-separated feedback sizes (float64)")
     ap.add_argument("--epochs", type=int, default=None)
     ap.add_argument("--fanout-sizes", default=None, help="variables sizes for the fan-out")
+    ap.add_argument("--modes", default="flat,tree")
+    ap.add_argument("--fan-in", type=int, default=32)
     ap.add_argument("--flat-cap-bytes", type=float, default=1.2e9)
     ap.add_argument("--tree-cap-bytes", type=float, default=2.2e9)
     ap.add_argument("--object-store-gb", type=float, default=3.0)
     ap.add_argument("--out", default=str(HERE / "results" / "scale.json"))
     args = ap.parse_args()
     if args.quick:
-        ns, sizes, epochs, fanout = [2, 16, 64, 256], [0, 1000, 100_000], 3, [1_000_000]
+        ns, sizes, epochs, fanout = [2, 32, 256], [0, 100_000], 3, [1_000_000]
     else:
         ns = [2, 8, 32, 128, 512, 1024]
         sizes, epochs, fanout = [0, 1000, 100_000, 1_000_000], 4, [1_000_000, 10_000_000]
@@ -403,15 +430,23 @@ def main() -> None:
     force_loopback()
     import ray
 
-    ray.init(
-        address="local",
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        namespace=NAMESPACE,
-        num_cpus=2,
-        object_store_memory=int(args.object_store_gb * (1 << 30)),
-        log_to_driver=False,
-    )
+    for tries in range(3):  # an overloaded shared machine can time a node start out
+        try:
+            ray.init(
+                address="local",
+                _node_ip_address="127.0.0.1",
+                include_dashboard=False,
+                namespace=NAMESPACE,
+                num_cpus=2,
+                object_store_memory=int(args.object_store_gb * (1 << 30)),
+                log_to_driver=False,
+            )
+            break
+        except Exception as ex:
+            if tries == 2 or "timed out during startup" not in str(ex):
+                raise
+            print(f"Ray did not start ({ex}); trying again", flush=True)
+            ray.shutdown()
     print(
         "SIMULATION on one machine with 2 shared cores (other jobs run too): N subtasks are "
         "threads in <= 4 client processes next to the coordinator. Alignment wall times "
@@ -421,9 +456,10 @@ def main() -> None:
     )
     rows: list[dict] = []
     skipped: list[dict] = []
+    clients = start_clients()  # the same client processes for every configuration
     try:
         for size in sizes:
-            for mode in ("flat", "tree"):
+            for mode in args.modes.split(","):
                 for n in ns:
                     epoch_bytes = n * size * 8
                     cap = args.flat_cap_bytes if mode == "flat" else args.tree_cap_bytes
@@ -440,13 +476,20 @@ def main() -> None:
                         print(f"skip {mode:4s} N={n:5d} feedback={size:>9,}: {why}", flush=True)
                         skipped.append({"n": n, "feedback_values": size, "mode": mode, "why": why})
                         continue
-                    r = run_config(n, size, tree=mode == "tree", epochs=epochs)
+                    r = run_config(
+                        n,
+                        size,
+                        tree=mode == "tree",
+                        epochs=epochs,
+                        clients=clients,
+                        fan_in=args.fan_in,
+                    )
                     rows.append(r)
                     print(_line(r), flush=True)
         fan_rows = []
         for values in fanout:
             for n in ns:
-                r = _fanout_config(n, values, epochs)
+                r = _fanout_config(n, values, epochs, clients)
                 fan_rows.append(r)
                 print(
                     f"fan-out {values:>10,} values to N={n:5d}: alignment -> last subtask has "
@@ -508,7 +551,8 @@ def _line(r: dict) -> str:
     return (
         f"{r['mode']:4s} N={r['n']:5d} feedback={r['feedback_values']:>9,}: alignment "
         f"{r['alignment_s_median'] * 1e3:8.1f} ms (p99 {r['alignment_s_p99'] * 1e3:8.1f}) | "
-        f"coordinator CPU {r['coordinator_cpu_s_per_epoch'] * 1e3:7.1f} ms/epoch, "
+        f"coordinator CPU {r['coordinator_cpu_s_per_epoch'] * 1e3:7.1f} ms/epoch "
+        f"(loop thread {(r.get('coordinator_loop_thread_cpu_s_per_epoch') or 0) * 1e3:.1f}), "
         f"{r['coordinator_calls_per_epoch']:6.0f} calls, "
         f"{r['coordinator_bytes_in_per_epoch'] / 1e6:9.2f} MB in, "
         f"{r['process_feedback_calls_per_epoch']:5.0f} process_feedback/epoch, "

@@ -267,8 +267,22 @@ class IterationCoordinator:
         self._tree.calls += 1
         if attempt == self._attempt and not self._failures and self.sm.terminated is None:
             self._tree.take(first_pid, epoch, combined)
+        aligned = self.sm.aligned
         got = [self._accept(p, epoch, kv, em, rows, attempt) for p, kv, em, rows in members]
-        self._after_calls()
+        # Sync only: a call is released by an alignment, termination or a checkpoint, or at
+        # once when its epoch is already aligned (after a restore); else skip the O(N)
+        # release scan, which would run once per group call for nothing.
+        try:
+            self._advance()
+        except _UserCodeFailed:
+            pass
+        if (
+            self.sm.aligned != aligned
+            or epoch <= self.sm.aligned
+            or self.sm.terminated is not None
+            or self._pending_ckpt is not None
+        ):
+            self._release()
         return [g if isinstance(g, Reply) else await g for g in got]
 
     async def group_of(self, pid: int) -> Any:
