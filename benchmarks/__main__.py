@@ -47,6 +47,7 @@ SUITE: dict[str, tuple[str, list[str], list[str]]] = {
             "2000000",
         ],
     ),
+    "scale": ("bench_scale.py", [], ["--quick"]),
 }
 
 

@@ -29,6 +29,7 @@ from ._cut import Cut, CutProtocol
 from ._errors import RemoteFailure, VariablesMismatchError
 from ._protocol import Emissions, OutputRecord, Progress, Reply, ResultData
 from ._state import EpochStateMachine, StateMachineError
+from ._tree import CoordinatorTree, TreeSpec
 from ._variables import DEFAULT_INLINE_LIMIT, VariablesPayload, VariablesStore
 
 __all__ = [
@@ -66,6 +67,8 @@ class CoordinatorSpec:
     kill_at_alignment: int | None = None
     inline_limit: int = DEFAULT_INLINE_LIMIT
     progress_tag: str = "loss"
+    #: feedback_combine: merge feedback in a tree (sync only; ``coordinator._tree``)
+    tree: TreeSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,14 @@ class IterationCoordinator:
         self._main = _Slot(self, None, per_round=spec.main_per_round)
         self._round = _Slot(self, None, per_round=True)
         self._listeners: Sequence[Any] = ()
+        self._tree: CoordinatorTree | None = None
         try:
+            if spec.tree is not None:
+                if spec.staleness != 0:
+                    raise ValueError("feedback_combine needs a sync iteration (staleness=0)")
+                self._tree = CoordinatorTree(
+                    spec.tree, spec.num_subtasks, start_groups=put is not None
+                )
             if spec.operators:
                 import cloudpickle
 
@@ -224,8 +234,8 @@ class IterationCoordinator:
                     ex,
                     source=COORDINATOR,
                     epoch=None,
-                    where="loading the coordinator operator in the Ray actor (is its module "
-                    "importable there? see hybrid_iter docs on shipping code)",
+                    where="loading the coordinator operator or feedback combiner in the Ray actor "
+                    "(is its module importable there? see hybrid_iter docs on shipping code)",
                 )
             )
         self._ckpt_store: CheckpointStore | None = None
@@ -297,6 +307,61 @@ class IterationCoordinator:
         attempt: int = 0,
     ) -> Reply:
         """Subtask ``pid``'s call ``epoch``; returns when it may run that epoch (or stop)."""
+        if self._tree is not None:
+            self._tree.calls += 1
+        got = self._accept(pid, epoch, known_version, emissions, rows, attempt)
+        if isinstance(got, Reply):
+            return got
+        self._after_calls()
+        return await got
+
+    async def report_group(
+        self,
+        first_pid: int,
+        epoch: int,
+        members: Sequence[tuple[int, int, Emissions, Sequence[int] | None]],
+        combined: Emissions,
+        attempt: int = 0,
+    ) -> list[Reply]:
+        """A feedback group's call ``epoch`` for its members ``(pid, known_version,
+        emissions without feedback, rows)``, with their feedback merged (``combined``);
+        one alignment step for all of them (tree aggregation, ``coordinator._tree``)."""
+        assert self._tree is not None, "report_group without feedback_combine"
+        self._tree.calls += 1
+        if self.cut.accepts(attempt) and not self._failures and self.sm.terminated is None:
+            self._tree.take(first_pid, epoch, combined)
+        aligned = self.sm.aligned
+        got = [self._accept(p, epoch, kv, em, rows, attempt) for p, kv, em, rows in members]
+        # Sync only: a call is released by an alignment, termination or a checkpoint, or at
+        # once when its epoch is already aligned (after a restore); else skip the O(N)
+        # release scan, which would run once per group call for nothing.
+        try:
+            self._advance()
+        except _UserCodeFailed:
+            pass
+        if (
+            self.sm.aligned != aligned
+            or epoch <= self.sm.aligned
+            or self.sm.terminated is not None
+            or self.cut.cutting is not None
+        ):
+            self._release()
+        return [g if isinstance(g, Reply) else await g for g in got]
+
+    async def group_of(self, pid: int) -> Any:
+        """The feedback group actor subtask ``pid`` reports to (None: to this actor)."""
+        return self._tree.group_of(pid) if self._tree is not None else None
+
+    def _accept(
+        self,
+        pid: int,
+        epoch: int,
+        known_version: int,
+        emissions: Emissions,
+        rows: Sequence[int] | None,
+        attempt: int,
+    ) -> Reply | asyncio.Future[Reply]:
+        """Validate and take call ``epoch`` of ``pid``: a reply now, or its future."""
         if not self.cut.accepts(attempt):
             return self._stale_reply(epoch, attempt)
         if self._failures:
@@ -320,13 +385,23 @@ class IterationCoordinator:
                 # The loop is closed: feedback is no longer applied; outputs are kept.
                 for tag, value in emissions.outputs:
                     self.route_output(tag, max(epoch - 1, 0), pid, value, False)
-            elif self.cut.on_report(pid, epoch, emissions):  # else held for alignment
+            else:
+                if self._tree is not None and self.cut.sync:
+                    # feedback_combine: the feedback goes to the tree's per-epoch partials
+                    self._tree.take(pid, epoch, emissions)
+                if not self.cut.on_report(pid, epoch, emissions):
+                    return future  # sync: held for the alignment, in partition order
                 self._apply_partition_emissions(pid, max(epoch - 1, 0), emissions)
+        except _UserCodeFailed:
+            pass
+        return future
+
+    def _after_calls(self) -> None:
+        try:
             self._advance()
         except _UserCodeFailed:
             pass
         self._release()
-        return await future
 
     async def finish(
         self,
@@ -482,6 +557,8 @@ class IterationCoordinator:
 
     def _advance(self) -> None:
         while (k := self.sm.next_alignment()) is not None:
+            if self._tree is not None:
+                self._apply_combined(max(k - 1, 0), *self._tree.totals(k))
             for pid, em in self.cut.aligned(k):
                 self._apply_partition_emissions(pid, max(k - 1, 0), em)
             if k >= 1:
@@ -549,6 +626,15 @@ class IterationCoordinator:
             self.ctx.source_partition = None
         for tag, value in em.outputs:
             self.route_output(tag, epoch, pid, value, False)
+
+    def _apply_combined(self, epoch: int, main: Any, round_: Any) -> None:
+        """feedback_combine: one ``process_feedback`` per epoch with the merged total
+        (``ctx.source_partition`` is None: the value comes from every partition)."""
+        self.ctx.epoch = epoch
+        round_slot = self._round if self._round.template is not None else self._main
+        for slot, value in ((self._main, main), (round_slot, round_)):
+            if value is not None and slot.template is not None:
+                self._user_call(slot.get(epoch), "process_feedback", value, self.ctx, self._out)
 
     def _coordinator_watermark(self, epoch: int) -> None:
         self.ctx.epoch = epoch
@@ -631,6 +717,8 @@ class IterationCoordinator:
     def _record_failure(self, failure: RemoteFailure) -> None:
         self._failures.append(failure)
         self.sm.fail()
+        if self._tree is not None:
+            self._tree.abort(self._failures[0])
         for epoch, _, future in self._waiters.values():
             if not future.done():
                 future.set_result(self._error_reply(epoch))

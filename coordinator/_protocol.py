@@ -20,12 +20,17 @@ class Emissions:
     criteria: int = 0
     #: feedback of the for_each_round (per-round) partition operator
     round_feedback: list[Any] = field(default_factory=list)
+    #: with ``feedback_combine``: how many ``out.feedback`` records were merged into
+    #: ``feedback`` / ``round_feedback`` (None: the lists hold every record)
+    combined_count: int | None = None
 
     def __bool__(self) -> bool:
         return bool(self.feedback or self.round_feedback or self.outputs or self.criteria)
 
     @property
     def feedback_count(self) -> int:
+        if self.combined_count is not None:
+            return self.combined_count
         return len(self.feedback) + len(self.round_feedback)
 
 

@@ -18,9 +18,10 @@ step in an epoch (no rows) sends ``push(pid, e, 0, None, 0, last=True)``.
 * **async**: every push is applied on arrival (the worker's own mean gradient); a pull
   returns the newest parameters.
 
-Each version is materialised at most once for the workers: inline in the reply when
-small, else put once into the object store (``put``) and read zero-copy by every task
-on the node. Gradients arrive dense (an array of the shard's length) or sparse
+Sync mode materialises each version at most once for the workers: inline in the reply
+when small, else put once into the object store (``put``) and read zero-copy by every
+task on the node. Async mode (``FreeShard``) sends a large version's first pull as the
+array itself (most versions are pulled once there) and puts a version pulled again. Gradients arrive dense (an array of the shard's length) or sparse
 (``(indices, values)`` with sorted, unique indices local to the shard).
 """
 
@@ -34,7 +35,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["AdamRule", "ParameterShard", "SGDRule", "ShardSpec", "make_rule"]
+__all__ = [
+    "AdamRule",
+    "FreeShard",
+    "ParameterShard",
+    "SGDRule",
+    "ShardSpec",
+    "make_rule",
+    "shard_class",
+]
 
 #: Parameter slices up to this many bytes travel inside the reply.
 INLINE_LIMIT = 64 * 1024
@@ -49,13 +58,18 @@ class SGDRule:
         self.lr = learning_rate
         self.momentum = momentum
         self.v = np.zeros(size, dtype=dtype) if momentum else None
+        self._tmp = _Scratch(size, dtype)
 
     def dense(self, w: np.ndarray, g: np.ndarray) -> None:
         if self.v is not None:
             self.v *= self.momentum
             self.v += g
             g = self.v
-        w -= self.lr * g
+        # ``w -= lr * g`` without a fresh temporary: at 1e7 values a new 80 MB array per
+        # step costs more in page faults than the arithmetic (same rounding: lr * g first)
+        t = self._tmp.get()
+        np.multiply(g, self.lr, out=t)
+        w -= t
 
     def sparse(self, w: np.ndarray, idx: np.ndarray, vals: np.ndarray) -> None:
         if self.v is not None:
@@ -86,6 +100,8 @@ class AdamRule:
         self.m = np.zeros(size, dtype=dtype)
         self.v = np.zeros(size, dtype=dtype)
         self.t = 0
+        self._tmp = _Scratch(size, dtype)
+        self._tmp2 = _Scratch(size, dtype)
 
     def _scale(self) -> float:
         self.t += 1
@@ -93,11 +109,20 @@ class AdamRule:
 
     def dense(self, w: np.ndarray, g: np.ndarray) -> None:
         a = self._scale()
+        t, t2 = self._tmp.get(), self._tmp2.get()
+        # the textbook expressions evaluated in the same order, into reused buffers
         self.m *= self.b1
-        self.m += (1 - self.b1) * g
+        np.multiply(g, 1 - self.b1, out=t)
+        self.m += t
         self.v *= self.b2
-        self.v += (1 - self.b2) * (g * g)
-        w -= a * self.m / (np.sqrt(self.v) + self.eps)
+        np.multiply(g, g, out=t)
+        t *= 1 - self.b2
+        self.v += t
+        np.sqrt(self.v, out=t)
+        t += self.eps
+        np.multiply(self.m, a, out=t2)
+        np.divide(t2, t, out=t)
+        w -= t
 
     def sparse(self, w: np.ndarray, idx: np.ndarray, vals: np.ndarray) -> None:
         a = self._scale()
@@ -108,6 +133,19 @@ class AdamRule:
 
     def state(self) -> dict[str, Any]:
         return {"m": self.m, "v": self.v, "t": self.t}
+
+
+class _Scratch:
+    """One reusable work array, allocated on first use (sparse-only shards never pay)."""
+
+    def __init__(self, size: int, dtype: np.dtype) -> None:
+        self.size, self.dtype = size, dtype
+        self._a: np.ndarray | None = None
+
+    def get(self) -> np.ndarray:
+        if self._a is None:
+            self._a = np.empty(self.size, dtype=self.dtype)
+        return self._a
 
 
 _RULES: dict[str, type] = {"sgd": SGDRule, "adam": AdamRule}
@@ -138,8 +176,10 @@ class ShardSpec:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
-class ParameterShard:
-    """One shard of the parameter server. All public methods are called through Ray."""
+class _ShardCore:
+    """One shard's state and update logic, without waiting (no coroutine: Ray makes a
+    class with any ``async def`` an asyncio actor, so the two shells below differ only
+    in ``pull``/``push``)."""
 
     def __init__(self, spec: ShardSpec, put: Callable[[Any], Any] | None = None) -> None:
         if put is None:
@@ -158,6 +198,9 @@ class ParameterShard:
                 f"[{spec.lo}, {spec.hi})"
             )
         self.rule = make_rule(spec.rule, spec.rule_params, len(self.w), self.w.dtype)
+        # sync steps with several pushes sum them here (reused: no fresh array per step)
+        self._acc = _Scratch(len(self.w), self.w.dtype)
+        self._part = _Scratch(len(self.w), self.w.dtype)
         self.version = 0
         self._payload: tuple[int, Any] | None = None
         # sync bookkeeping: the next step to apply, pushes per step, last steps per epoch
@@ -168,55 +211,19 @@ class ParameterShard:
         self._waiters: list[tuple[tuple[int, int], asyncio.Future[None]]] = []
         self.stats = {"pushes": 0, "updates": 0, "pulls": 0, "puts": 0, "apply_seconds": 0.0}
 
-    # -- calls from workers ---------------------------------------------------------------
-
-    async def pull(self, epoch: int, step: int) -> tuple[int, np.ndarray | None, Any]:
-        """``(version, inline values or None, object ref or None)``; sync: the parameters
-        before step ``(epoch, step)``, async: the newest."""
-        if self.spec.sync:
-            await self._ready(epoch, step)
-        self.stats["pulls"] += 1
-        return self._current()
-
-    async def push(
-        self,
-        pid: int,
-        epoch: int,
-        step: int,
-        grad: Any,
-        rows: float,
-        last: bool,
-        pull_next: bool,
-    ) -> tuple[int, np.ndarray | None, Any] | None:
-        """Worker ``pid``'s gradient of step ``(epoch, step)`` (None: no step; a dense
-        array or ``(indices, values)``); with ``pull_next`` the reply carries the
-        parameters of its next step."""
-        self.stats["pushes"] += 1
-        if not self.spec.sync:
-            if grad is not None:
-                self._apply([(grad, 1.0)], 1.0)
-            return self._current() if pull_next else None
-        if grad is not None:
-            self._pushes.setdefault((epoch, step), {})[pid] = (grad, float(rows))
-        if last:
-            self._steps.setdefault(epoch, {})[pid] = step + 1 if grad is not None else step
-        self._advance()
-        if not pull_next:
-            return None
-        await self._ready(epoch, step + 1)
-        self.stats["pulls"] += 1
-        return self._current()
-
     # -- calls from the driver ------------------------------------------------------------
 
     def values(self) -> np.ndarray:
         return self.w
 
     def info(self) -> dict[str, Any]:
+        """Counters; ``cpu_seconds`` is this shard process's CPU time so far (every
+        thread: Ray's (de)serialisation and object-store puts included)."""
         return {
             "shard": self.spec.shard_id,
             "keys": [self.spec.lo, self.spec.hi],
             "version": self.version,
+            "cpu_seconds": time.process_time(),
             **self.stats,
         }
 
@@ -231,13 +238,6 @@ class ParameterShard:
                 self._payload = (self.version, None)
         version, ref = self._payload
         return (version, None, ref) if ref is not None else (version, self.w.copy(), None)
-
-    async def _ready(self, epoch: int, step: int) -> None:
-        if (self.epoch, self.step) >= (epoch, step):
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(((epoch, step), fut))
-        await fut
 
     def _advance(self) -> None:
         """Apply every sync step whose pushes are all in; end epochs; wake pullers."""
@@ -289,13 +289,127 @@ class ParameterShard:
             if len(parts) == 1 and parts[0][1] == total:
                 g = np.asarray(parts[0][0], dtype=self.w.dtype)
             else:
-                g = np.zeros_like(self.w)
+                g, part = self._acc.get(), self._part.get()
+                g.fill(0)
                 for grad, r in parts:
                     if isinstance(grad, tuple):
                         np.add.at(g, grad[0], grad[1] * (r / total))
                     else:
-                        g += grad * (r / total)
+                        np.multiply(grad, r / total, out=part)
+                        g += part
             self.rule.dense(self.w, g)
         self.version += 1
         self.stats["updates"] += 1
         self.stats["apply_seconds"] += time.perf_counter() - started
+
+
+class ParameterShard(_ShardCore):
+    """A shard as an asyncio Ray actor: sync mode, where pulls and fused pushes wait for
+    every worker's push of a step. All public methods are called through Ray."""
+
+    # -- calls from workers ---------------------------------------------------------------
+
+    async def pull(self, epoch: int, step: int) -> tuple[int, np.ndarray | None, Any]:
+        """``(version, inline values or None, object ref or None)``; sync: the parameters
+        before step ``(epoch, step)``, async: the newest."""
+        if self.spec.sync:
+            await self._ready(epoch, step)
+        self.stats["pulls"] += 1
+        return self._current()
+
+    async def push(
+        self,
+        pid: int,
+        epoch: int,
+        step: int,
+        grad: Any,
+        rows: float,
+        last: bool,
+        pull_next: bool,
+    ) -> tuple[int, np.ndarray | None, Any] | None:
+        """Worker ``pid``'s gradient of step ``(epoch, step)`` (None: no step; a dense
+        array or ``(indices, values)``); with ``pull_next`` the reply carries the
+        parameters of its next step."""
+        self.stats["pushes"] += 1
+        if not self.spec.sync:
+            if grad is not None:
+                self._apply([(grad, 1.0)], 1.0)
+            return self._current() if pull_next else None
+        if grad is not None:
+            self._pushes.setdefault((epoch, step), {})[pid] = (grad, float(rows))
+        if last:
+            self._steps.setdefault(epoch, {})[pid] = step + 1 if grad is not None else step
+        self._advance()
+        if not pull_next:
+            return None
+        await self._ready(epoch, step + 1)
+        self.stats["pulls"] += 1
+        return self._current()
+
+    async def push_packed(self, msg: tuple) -> tuple[int, np.ndarray | None, Any] | None:
+        """``push(*msg)``: one Ray argument instead of seven (less per-call overhead)."""
+        return await self.push(*msg)
+
+    async def _ready(self, epoch: int, step: int) -> None:
+        if (self.epoch, self.step) >= (epoch, step):
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(((epoch, step), fut))
+        await fut
+
+
+class FreeShard(_ShardCore):
+    """A shard as a plain (one-thread) Ray actor: async mode, where nothing waits, so
+    every call runs straight through without an event loop (less CPU per call than the
+    asyncio shell). All public methods are called through Ray."""
+
+    def __init__(self, spec: ShardSpec, put: Callable[[Any], Any] | None = None) -> None:
+        super().__init__(spec, put)
+        self._direct = -1  # the version last sent as an array (not a reference)
+
+    def pull(self, epoch: int, step: int) -> tuple[int, np.ndarray | None, Any]:
+        """The newest parameters ``(version, inline values or None, object ref or None)``."""
+        self.stats["pulls"] += 1
+        return self._newest()
+
+    def push(
+        self,
+        pid: int,
+        epoch: int,
+        step: int,
+        grad: Any,
+        rows: float,
+        last: bool,
+        pull_next: bool,
+    ) -> tuple[int, np.ndarray | None, Any] | None:
+        """Apply ``grad`` (None: no step) on arrival; with ``pull_next`` reply with the
+        newest parameters."""
+        self.stats["pushes"] += 1
+        if grad is not None:
+            self._apply([(grad, 1.0)], 1.0)
+        if not pull_next:
+            return None
+        self.stats["pulls"] += 1
+        return self._newest()
+
+    def push_packed(self, msg: tuple) -> tuple[int, np.ndarray | None, Any] | None:
+        """``push(*msg)``: one Ray argument instead of seven (less per-call overhead)."""
+        return self.push(*msg)
+
+    def _newest(self) -> tuple[int, np.ndarray | None, Any]:
+        # In async mode versions change with every push, so most are pulled once: the
+        # first pull of a version gets the array itself (Ray copies it into the reply, as
+        # a hand-rolled actor would; safe without a copy here, since this one-thread actor
+        # serialises its reply before it runs the next call); a version pulled again is
+        # put into the object store once and shared by reference.
+        if self._put is None or self.w.nbytes <= self.spec.inline_limit:
+            return self._current()
+        if self._direct != self.version:
+            self._direct = self.version
+            return (self.version, self.w, None)
+        return self._current()
+
+
+def shard_class(sync: bool) -> type[_ShardCore]:
+    """The actor class of a shard: asyncio for sync mode (pulls wait), plain for async."""
+    return ParameterShard if sync else FreeShard

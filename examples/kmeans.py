@@ -132,6 +132,8 @@ def fit(
             partition=Assign(features),
             coordinator=Centres(),
             criteria=hi.TerminateOnMaxIterOrTol(max_iter, tol, loss_tag="shift"),
+            # the coordinator only adds the feedback up: merge it in a tree on the way
+            feedback_combine="sum",
         ),
     )
 

@@ -103,6 +103,8 @@ def main(
             partition=Train(cols, "y", batch_rows),
             coordinator=Parameters(learning_rate),
             criteria=hi.TerminateOnMaxIterOrTol(epochs, tol),  # stops when the MSE <= tol
+            # the coordinator only adds the feedback up: merge it in a tree on the way
+            feedback_combine="sum",
         ),
     )
     err = float(np.max(np.abs(result.variables["w"] - w_true)))

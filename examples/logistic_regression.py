@@ -142,6 +142,8 @@ def train(
             partition=LogisticGradient(features, "label"),
             coordinator=ParameterServer(learning_rate=2.0, total_rows=rows),
             criteria=hi.TerminateOnMaxIterOrTol(max_epochs, tol, loss_tag="grad_norm"),
+            # the coordinator only adds the feedback up: merge it in a tree on the way
+            feedback_combine="sum",
         )
     else:
         config = hi.IterationConfig(

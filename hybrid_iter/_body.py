@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator._tree import DEFAULT_FAN_IN, load_combiner
+
 from ._errors import IterationConfigError
 from ._operators import CoordinatorOperator, IterationListener, PartitionOperator
 
@@ -133,6 +135,18 @@ class IterationBody:
       the body has no criteria stream.
     * ``listeners``: more coordinator-tier helpers, e.g. ``ForwardInputsOfLastRound``.
 
+    * ``feedback_combine``: the feedback is combinable (sync iterations only): ``"sum"``
+      (numbers, numpy arrays, and tuples, lists or dicts of them, added element by
+      element) or an object with ``merge(a, b)`` returning the combined value. Subtasks
+      then merge their feedback in a tree (groups of subtasks report through aggregator
+      actors, at most ``feedback_fan_in`` calls reach the coordinator per epoch), and
+      ``process_feedback`` is called once per epoch with the merged total of every
+      partition (``ctx.source_partition`` is None there). The merge order is fixed by the
+      number of partitions and the fan-in: sync runs stay bit-for-bit reproducible, equal
+      to the flat sum up to float rounding.
+    * ``feedback_fan_in``: at most this many partial values (and calls) per epoch into the
+      coordinator with ``feedback_combine`` (default 32).
+
     ``body.for_each_round(partition=..., coordinator=...)`` adds a per-round sub-body
     (``per_round_partition`` / ``per_round_coordinator``): fresh instances every round
     next to the all-round operators.
@@ -144,8 +158,20 @@ class IterationBody:
     listeners: Sequence[CoordinatorListener] = field(default_factory=tuple)
     per_round_partition: PartitionOperator | None = None
     per_round_coordinator: CoordinatorOperator | None = None
+    feedback_combine: Any = None
+    feedback_fan_in: int = DEFAULT_FAN_IN
 
     def __post_init__(self) -> None:
+        if self.feedback_combine is not None:
+            try:
+                load_combiner(self.feedback_combine)
+            except (TypeError, ValueError) as ex:
+                raise IterationConfigError(f"IterationBody: {ex}") from None
+        fan_in = self.feedback_fan_in
+        if not isinstance(fan_in, int) or isinstance(fan_in, bool) or fan_in < 1:
+            raise IterationConfigError(
+                f"IterationBody(feedback_fan_in=...) must be an int >= 1, got {fan_in!r}"
+            )
         _check_operator("IterationBody(partition=...)", self.partition, PartitionOperator, False)
         _check_operator(
             "IterationBody(coordinator=...)", self.coordinator, CoordinatorOperator, True

@@ -54,6 +54,7 @@ from ._session import Session
 from ._shipping import dumps
 from ._streams import ReplayableDataStreamList, _is_dataframe
 from ._task import TaskPlan, run_round, run_subtask
+from ._tree import tree_spec
 
 __all__ = ["iterate_bounded_streams_until_termination"]
 
@@ -219,6 +220,7 @@ def iterate_bounded_streams_until_termination(
     )
     address = _ray_address(spark)
     per_round = config.operator_lifecycle is OperatorLifecycle.PER_ROUND
+    tree = tree_spec(body, config.staleness)  # feedback_combine: refused here if async
 
     import ray
 
@@ -241,6 +243,7 @@ def iterate_bounded_streams_until_termination(
         progress_tag=config.progress_tag,
         checkpoint=checkpoint,
         kill_at_alignment=faults.kill_coordinator_at,
+        tree=tree,
     )
     plan = TaskPlan(
         ray_address=address,
@@ -254,6 +257,7 @@ def iterate_bounded_streams_until_termination(
         replayed=streams.replayed,
         main_per_round=per_round,
         per_round_operator=round_bytes,
+        tree=tree,
         fail_at=(
             (faults.fail_partition, faults.at_epoch, faults.on_attempt)
             if faults.fail_partition is not None

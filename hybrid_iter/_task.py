@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from coordinator import Emissions, RemoteFailure, VariablesPayload
+from coordinator._tree import TreeSpec, precombine
 
 from ._errors import DataValidationError
 
@@ -53,6 +54,8 @@ class TaskPlan:
     attempt: int = 0
     #: subtasks restore their checkpointed state from the coordinator
     restore: bool = False
+    #: feedback_combine: merge feedback in a tree (``coordinator._tree``)
+    tree: TreeSpec | None = None
     #: fault injection for tests: ``(partition, epoch, attempt)`` raises before that
     #: partition's watermark callback of that epoch, on that attempt
     fail_at: tuple[int, int, int] | None = None
@@ -121,6 +124,8 @@ class _Aborted(Exception):
 
 
 _handles: dict[tuple[str, str], Any] = {}
+#: feedback_combine: (actor, attempt, partition) -> (group actor or None, combiner)
+_groups: dict[tuple[str, int, int], tuple[Any, Any]] = {}
 
 
 def _coordinator(plan: TaskPlan) -> Any:
@@ -197,6 +202,7 @@ class _Subtask:
         self.last: Any = None  # the last reply
         self.where, self.user, self.op_name = "joining the Ray cluster", False, ""
         self.since = time.monotonic()  # when the current step began (the watchdog reads it)
+        self._tree: tuple[Any, Any] | None = None  # (group actor or None, combiner)
         self._bind()
 
     # -- bookkeeping ------------------------------------------------------------------
@@ -265,12 +271,34 @@ class _Subtask:
                     self.call(op, "process_data", stream, batch, self.ctx, out)
             self.step("reading the data")
 
+    def _tree_target(self) -> tuple[Any, Any]:
+        """feedback_combine: the group actor to report to (None: the coordinator) and
+        the combiner, asked of the coordinator once per launch and worker process."""
+        if self._tree is None:
+            key = (self.plan.actor_name, self.plan.attempt, self.pid)
+            got = _groups.get(key)
+            if got is None:
+                assert self.plan.tree is not None
+                self.step("loading the feedback combiner")
+                combiner = self.plan.tree.load()
+                if len(_groups) > 4096:
+                    _groups.clear()  # stale launches; one entry per subtask run here
+                got = _groups[key] = (self.ask(self.coord.group_of.remote(self.pid)), combiner)
+            self._tree = got
+        return self._tree
+
     def _report(self) -> bool:
         """Make call ``k``; handle the reply. True when the iteration terminated."""
         rows = self.rows if self.k == 0 else None
+        em, target = self._drain(), self.coord
+        if self.plan.tree is not None:
+            group, combiner = self._tree_target()
+            self.step("combining the feedback (feedback_combine)")
+            em = precombine(em, combiner)
+            target = group if group is not None else self.coord
         reply = self.ask(
-            self.coord.report.remote(
-                self.pid, self.k, self.ctx.variables_version, self._drain(), rows, self.plan.attempt
+            target.report.remote(
+                self.pid, self.k, self.ctx.variables_version, em, rows, self.plan.attempt
             )
         )
         while reply.error is None and reply.need_state:  # a checkpoint: give our state, wait

@@ -332,3 +332,29 @@ def test_a_bad_gradient_fails_naming_grad_fn(regression):
         ps.Sparse([0, 1], [1.0])
     with pytest.raises(TypeError, match="integers"):
         ps.Sparse([0.5], [1.0])
+
+
+def test_an_async_shard_sends_a_version_as_an_array_once_then_shares_one_put():
+    """Async mode (``FreeShard``, a plain one-thread actor): the first pull of a large
+    version gets the array itself, as a hand-rolled actor would send it; a version pulled
+    again is put into the object store once; updates reuse their work arrays."""
+    from coordinator._ps import FreeShard, shard_class
+
+    assert shard_class(False) is FreeShard and shard_class(True) is ParameterShard
+    n = 20_000  # 160 kB: over the inline limit
+    spec = ShardSpec(0, 0, n, np.zeros(n), "sgd", {"learning_rate": 0.5}, 2, False)
+    puts = []
+    shard = FreeShard(spec, put=lambda v: puts.append(np.array(v)) or len(puts))
+    version, values, ref = shard.pull(0, 0)
+    assert (version, ref, puts) == (0, None, []) and values is shard.w
+    assert shard.pull(0, 0) == (0, None, 1) and len(puts) == 1  # pulled again: one put
+    assert shard.pull(0, 0) == (0, None, 1) and len(puts) == 1
+    scratch = None
+    for step in range(2):
+        assert shard.push_packed((0, 0, step, np.full(n, 2.0), 1.0, True, False)) is None
+        scratch = scratch if scratch is not None else shard.rule._tmp.get()
+        assert shard.rule._tmp.get() is scratch  # no fresh temporary per step
+    version, values, ref = shard.push(1, 0, 2, np.full(n, 2.0), 1.0, False, True)
+    assert version == 3 and ref is None
+    np.testing.assert_array_equal(values, np.full(n, -3.0))
+    assert "cpu_seconds" in shard.info()

@@ -4,7 +4,7 @@ computes on a numpy batch, against a sharded parameter server.
 Where things run:
 
 * driver: ``train`` checks every argument, flattens ``init``, starts the shard actors
-  (``coordinator._ps.ParameterShard`` made async Ray actors here, ``num_cpus=0``, each owning
+  (``coordinator._ps.ParameterShard`` / ``FreeShard`` made Ray actors here, ``num_cpus=0``, each owning
   a contiguous key range of the flat parameter vector and its optimizer state), runs one
   iteration, gathers the shards' values and stops them.
 * Spark tasks (``_Worker``, one per subtask): read their partition once into numpy
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from coordinator._ps import ParameterShard, ShardSpec
+from coordinator._ps import ShardSpec, shard_class
 
 from .._body import IterationBody
 from .._config import IterationConfig
@@ -99,9 +99,9 @@ class _Shards:
     def _assemble(self, replies: list[Any]) -> np.ndarray:
         import ray
 
-        parts = []
-        for _version, inline, ref in replies:
-            parts.append(inline if ref is None else ray.get(ref))
+        refs = [ref for _v, _inline, ref in replies if ref is not None]
+        got = iter(ray.get(refs)) if refs else iter(())  # one round trip for every shard
+        parts = [inline if ref is None else next(got) for _v, inline, ref in replies]
         if len(parts) == 1:
             flat = parts[0]
         else:
@@ -143,7 +143,7 @@ class _Shards:
                 part = (idx[a:b] - lo, vals[a:b])
             else:
                 part = grad[lo:hi]
-            calls.append(h.push.remote(pid, epoch, step, part, rows, last, not last))
+            calls.append(h.push_packed.remote((pid, epoch, step, part, rows, last, not last)))
         replies = ray.get(calls)
         return None if last else self._assemble(replies)
 
@@ -458,9 +458,12 @@ def launch_shards(
     import ray
 
     run_id = uuid.uuid4().hex[:12]
-    shard_cls = ray.remote(
-        num_cpus=0, max_restarts=0, max_concurrency=max(1000, 4 * num_workers + 16)
-    )(ParameterShard)
+    # sync mode: an asyncio actor whose pulls wait for a step; async mode: a plain actor,
+    # one call at a time with no event loop in between (nothing ever waits there)
+    concurrency = max(1000, 4 * num_workers + 16) if sync else 1
+    shard_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=concurrency)(
+        shard_class(sync)
+    )
     names = [f"hybrid_iter.ps.{run_id}.shard{i}" for i in range(len(bounds) - 1)]
     handles: list[Any] = []
     try:

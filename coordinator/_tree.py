@@ -1,0 +1,380 @@
+"""Tree aggregation of feedback (``IterationBody(feedback_combine=...)``), sync mode only.
+
+Without it every subtask sends its whole feedback to the coordinator actor every epoch
+(N calls and N values into one process). With a combinable feedback:
+
+* each subtask merges its own ``out.feedback`` values of an epoch into one (in emission
+  order) before its call (runs in the Spark task);
+* with more than ``fan_in`` subtasks, contiguous groups of subtasks report to a
+  ``GroupAggregator`` actor (one per group, started by the coordinator, owned by it, so
+  they die with it): the group waits for every member's call ``k``, merges the members'
+  values in partition order and makes one ``report_group`` call to the coordinator,
+  whose replies it hands back to the members. The coordinator then receives at most
+  ``fan_in`` calls and values per epoch, whatever the number of subtasks;
+* at the alignment the coordinator merges the partial values in partition order (a
+  group counts at its first partition) and calls ``process_feedback`` once per epoch
+  (once more for the for_each_round feedback) with the total.
+
+The combine order is fixed by ``(num_subtasks, fan_in)`` alone, so a sync run is
+bit-for-bit reproducible for a fixed partitioning; it equals the flat sum up to float
+rounding. Checkpoints are unaffected: partial values of epoch ``k`` are consumed at
+alignment ``k``, before a checkpoint of that alignment is cut; a restarted coordinator
+starts new groups and relaunched tasks ask it for them again (``group_of``).
+
+Nothing here imports Ray at module level: the pure parts (``SumCombiner``, ``fold``,
+``group_bounds``, ``PartialFeedback``) are tested without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from ._protocol import Emissions, Reply
+
+__all__ = [
+    "DEFAULT_FAN_IN",
+    "SUPPORTED_COMBINE",
+    "CoordinatorTree",
+    "GroupAggregator",
+    "SumCombiner",
+    "TreeSpec",
+    "fold",
+    "group_bounds",
+    "load_combiner",
+    "precombine",
+]
+
+#: at most this many calls and partial values reach the coordinator per epoch
+DEFAULT_FAN_IN = 32
+#: the named combiners ``feedback_combine`` accepts
+SUPPORTED_COMBINE = ("sum",)
+
+
+class SumCombiner:
+    """``merge(a, b) = a + b`` for numbers and numpy arrays, element by element for
+    tuples, lists and dicts of them (the structure of every value must be the same).
+
+    The first operand's arrays are copied once and then added to in place, so a fold
+    over many large arrays allocates one accumulator, not one array per merge (the
+    rounding is that of ``a + b``)."""
+
+    def merge(self, a: Any, b: Any) -> Any:
+        return _add(a, b, owned=False)
+
+    def __repr__(self) -> str:
+        return "SumCombiner()"
+
+
+def _add(a: Any, b: Any, *, owned: bool) -> Any:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape != b.shape:
+            raise ValueError(
+                f"feedback_combine='sum': arrays of shapes {a.shape} and {b.shape} cannot be "
+                f"summed; every partition must feed back arrays of the same shape"
+            )
+        out_dtype = np.result_type(a, b)
+        if owned and isinstance(a, np.ndarray) and a.dtype == out_dtype and a.flags.writeable:
+            np.add(a, b, out=a)
+            return a
+        return np.add(a, b)  # a fresh array: ours from now on
+    if isinstance(a, tuple | list):
+        if not isinstance(b, tuple | list) or len(a) != len(b):
+            raise ValueError(
+                f"feedback_combine='sum': cannot sum a {type(a).__name__} of {len(a)} with "
+                f"{_describe(b)}; every feedback value must have the same structure"
+            )
+        items = [_add(x, y, owned=owned) for x, y in zip(a, b)]
+        return type(a)(items) if isinstance(a, tuple) else items
+    if isinstance(a, Mapping):
+        if not isinstance(b, Mapping) or set(a) != set(b):
+            raise ValueError(
+                f"feedback_combine='sum': cannot sum a dict with keys {sorted(map(str, a))} "
+                f"with {_describe(b)}; every feedback value must have the same keys"
+            )
+        return {k: _add(a[k], b[k], owned=owned) for k in a}
+    if _is_number(a) and _is_number(b):
+        return a + b
+    raise TypeError(
+        f"feedback_combine='sum' sums numbers, numpy arrays and tuples, lists or dicts of "
+        f"them; got {_describe(a)} and {_describe(b)}. Feed back numeric values, or pass a "
+        f"combiner object with merge(a, b), or leave feedback_combine unset"
+    )
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, numbers.Number | np.generic) and not isinstance(v, bool | np.bool_)
+
+
+def _describe(v: Any) -> str:
+    return f"a {type(v).__name__}"
+
+
+def _check_sum_value(v: Any) -> None:
+    """Refuse what 'sum' cannot add (a lone value is never merged, so check it too)."""
+    if isinstance(v, np.ndarray):
+        if v.dtype.kind not in "biufc":
+            raise TypeError(f"feedback_combine='sum': a {v.dtype} array cannot be summed")
+        return
+    if isinstance(v, tuple | list):
+        for x in v:
+            _check_sum_value(x)
+        return
+    if isinstance(v, Mapping):
+        for x in v.values():
+            _check_sum_value(x)
+        return
+    if not _is_number(v):
+        _add(v, v, owned=False)  # raises the TypeError naming the type and the fix
+
+
+def load_combiner(combine: Any) -> Any:
+    """The combiner object for ``feedback_combine`` (a supported name or an object with
+    ``merge``); raises ``ValueError`` / ``TypeError`` naming the fix otherwise."""
+    if isinstance(combine, str):
+        if combine == "sum":
+            return SumCombiner()
+        raise ValueError(
+            f"feedback_combine={combine!r} is not supported; use one of "
+            f"{list(SUPPORTED_COMBINE)} or an object with a merge(a, b) method"
+        )
+    if not callable(getattr(combine, "merge", None)):
+        raise TypeError(
+            f"feedback_combine must be one of {list(SUPPORTED_COMBINE)} or an object with a "
+            f"merge(a, b) method returning the combined value; {type(combine).__name__} has "
+            f"no merge method"
+        )
+    return combine
+
+
+def fold(values: Sequence[Any], combiner: Any) -> Any:
+    """``merge(...merge(merge(v0, v1), v2)..., vn)``: left to right, a fixed order."""
+    if not values:
+        raise ValueError("fold() of no values")
+    if isinstance(combiner, SumCombiner):
+        acc = values[0]
+        if len(values) == 1:
+            _check_sum_value(acc)
+        for v in values[1:]:
+            acc = _add(acc, v, owned=acc is not values[0])
+        return acc
+    acc = values[0]
+    for v in values[1:]:
+        acc = combiner.merge(acc, v)
+    return acc
+
+
+def group_bounds(num_subtasks: int, fan_in: int) -> list[tuple[int, int]]:
+    """Contiguous partition ranges ``[lo, hi)`` of the aggregator groups; empty when the
+    subtasks report straight to the coordinator (``num_subtasks <= fan_in``).
+
+    At most ``fan_in`` groups; beyond ``fan_in ** 2`` subtasks the groups grow larger
+    (each still makes one call per epoch)."""
+    if num_subtasks <= fan_in:
+        return []
+    groups = min(fan_in, -(-num_subtasks // fan_in))
+    cuts = np.linspace(0, num_subtasks, groups + 1).round().astype(int)
+    return [(int(a), int(b)) for a, b in itertools.pairwise(cuts)]
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """How feedback is combined: the combiner (cloudpickle) and the fan-in."""
+
+    combiner: bytes
+    fan_in: int = DEFAULT_FAN_IN
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fan_in, int) or isinstance(self.fan_in, bool) or self.fan_in < 1:
+            raise ValueError(f"fan_in must be an int >= 1, got {self.fan_in!r}")
+
+    def load(self) -> Any:
+        import cloudpickle
+
+        return load_combiner(cloudpickle.loads(self.combiner))
+
+
+def precombine(em: Emissions, combiner: Any) -> Emissions:
+    """A subtask's emissions with each kind of feedback merged into one value (runs in
+    the Spark task, or in a group for its members); ``combined_count`` keeps the number
+    of ``out.feedback`` records for the epoch accounting and ``feedback_counts``."""
+    if em.combined_count is not None:
+        return em
+    return replace(
+        em,
+        feedback=[fold(em.feedback, combiner)] if em.feedback else [],
+        round_feedback=[fold(em.round_feedback, combiner)] if em.round_feedback else [],
+        combined_count=em.feedback_count,
+    )
+
+
+@dataclass
+class PartialFeedback:
+    """Partial values of one epoch, keyed by their first partition (groups and lone
+    subtasks alike), merged in that order at the alignment."""
+
+    main: dict[int, Any] = field(default_factory=dict)
+    round: dict[int, Any] = field(default_factory=dict)
+
+    def add(self, first_pid: int, em: Emissions) -> None:
+        """Take ``em``'s (pre-combined) feedback out of it."""
+        if em.feedback:
+            self.main[first_pid] = em.feedback[0]
+            em.feedback = []
+        if em.round_feedback:
+            self.round[first_pid] = em.round_feedback[0]
+            em.round_feedback = []
+
+    def totals(self, combiner: Any) -> tuple[Any, Any]:
+        """``(main total or None, round total or None)``."""
+        out = []
+        for part in (self.main, self.round):
+            out.append(fold([part[k] for k in sorted(part)], combiner) if part else None)
+        return out[0], out[1]
+
+
+class CoordinatorTree:
+    """The coordinator actor's side of the tree: the combiner, the partial values per
+    epoch, and the group actors. Runs in the Ray coordinator actor."""
+
+    def __init__(self, spec: TreeSpec, num_subtasks: int, *, start_groups: bool = True) -> None:
+        self.spec = spec
+        self.combiner = spec.load()
+        self.bounds = group_bounds(num_subtasks, spec.fan_in)
+        self.pending: dict[int, PartialFeedback] = {}
+        self.groups: list[Any] = []
+        self.calls = 0  # report / report_group calls received (the fan-in in practice)
+        if self.bounds and start_groups:
+            import ray
+
+            cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=max(1000, 4 * 64))(
+                GroupAggregator
+            )
+            me = ray.get_runtime_context().current_actor
+            self.groups = [cls.remote(me, lo, hi, spec) for lo, hi in self.bounds]
+
+    def group_of(self, pid: int) -> Any:
+        """The group actor subtask ``pid`` reports to (None: straight to the coordinator)."""
+        for (lo, hi), g in zip(self.bounds, self.groups):
+            if lo <= pid < hi:
+                return g
+        return None
+
+    def take(self, first_pid: int, epoch: int, em: Emissions) -> None:
+        """Keep ``em``'s partial feedback for its epoch's alignment (call ``epoch``
+        carries records of epoch ``max(epoch - 1, 0)``)."""
+        em2 = precombine(em, self.combiner)  # a subtask that did not pre-combine
+        self.pending.setdefault(epoch, PartialFeedback()).add(first_pid, em2)
+        if em2 is not em:
+            em.feedback, em.round_feedback = [], []
+            em.combined_count = em2.combined_count
+
+    def totals(self, epoch: int) -> tuple[Any, Any]:
+        part = self.pending.pop(epoch, None)
+        return part.totals(self.combiner) if part is not None else (None, None)
+
+    def abort(self, failure: Any) -> None:
+        """Answer every member waiting in a group (a failure was recorded)."""
+        for g in self.groups:
+            try:
+                g.abort.remote(failure)
+            except Exception:
+                pass  # a dead group: its members fail on their own
+
+
+class GroupAggregator:
+    """One group of subtasks ``[lo, hi)``: collects their call ``k``, merges their
+    feedback in partition order and makes one ``report_group`` call to the coordinator.
+    An asyncio Ray actor owned by the coordinator. All public methods are called
+    through Ray."""
+
+    def __init__(self, coordinator: Any, lo: int, hi: int, spec: TreeSpec) -> None:
+        self.coord = coordinator
+        self.lo, self.hi = lo, hi
+        self.combiner = spec.load()
+        #: (attempt, call) -> pid -> (known_version, emissions, rows, future)
+        self._calls: dict[tuple[int, int], dict[int, tuple[int, Emissions, Any, Any]]] = {}
+        self._failure: Any = None
+        self.forwarded = 0
+
+    async def report(
+        self,
+        pid: int,
+        epoch: int,
+        known_version: int,
+        emissions: Emissions,
+        rows: Sequence[int] | None = None,
+        attempt: int = 0,
+    ) -> Reply:
+        """Member ``pid``'s call ``epoch``: returns the coordinator's reply to it."""
+        if self._failure is not None:
+            return Reply(epoch, True, -1, None, self._failure)
+        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        key = (attempt, epoch)
+        calls = self._calls.setdefault(key, {})
+        calls[pid] = (known_version, emissions, rows, fut)
+        if len(calls) == self.hi - self.lo:
+            del self._calls[key]
+            asyncio.get_running_loop().create_task(self._forward(key, calls))
+        return await fut
+
+    async def _forward(self, key: tuple[int, int], calls: dict[int, Any]) -> None:
+        attempt, epoch = key
+        pids = sorted(calls)
+        members = []
+        partial = []
+        partial_round = []
+        for p in pids:
+            kv, em, rows, _ = calls[p]
+            em = precombine(em, self.combiner)
+            partial += em.feedback
+            partial_round += em.round_feedback
+            members.append(
+                (p, kv, replace(em, feedback=[], round_feedback=[]), rows)
+            )  # feedback travels once, merged
+        combined = Emissions(
+            feedback=[fold(partial, self.combiner)] if partial else [],
+            round_feedback=[fold(partial_round, self.combiner)] if partial_round else [],
+            combined_count=0,
+        )
+        self.forwarded += 1
+        try:
+            replies = await self.coord.report_group.remote(
+                self.lo, epoch, members, combined, attempt
+            )
+        except Exception as ex:  # the coordinator died: the members fail with the cause
+            for p in pids:
+                fut = calls[p][3]
+                if not fut.done():
+                    fut.set_exception(ex)
+            return
+        for p, reply in zip(pids, replies):
+            fut = calls[p][3]
+            if not fut.done():
+                fut.set_result(reply)
+
+    async def abort(self, failure: Any) -> None:
+        """The coordinator recorded a failure: answer every waiting member with it."""
+        self._failure = failure
+        calls, self._calls = self._calls, {}
+        for (_, epoch), members in calls.items():
+            for *_, fut in members.values():
+                if not fut.done():
+                    fut.set_result(Reply(epoch, True, -1, None, failure))
+
+    async def info(self) -> dict[str, Any]:
+        """Counters; ``cpu_seconds``: this group process's CPU time so far."""
+        import time
+
+        return {
+            "lo": self.lo,
+            "hi": self.hi,
+            "forwarded": self.forwarded,
+            "cpu_seconds": time.process_time(),
+        }

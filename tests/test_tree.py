@@ -1,0 +1,244 @@
+"""Tree aggregation of feedback (``IterationBody(feedback_combine=...)``, issue 19):
+combined sync runs equal flat runs up to float rounding and repeat bit for bit, through
+the coordinator straight and through group aggregator actors, on real Spark + Ray; bad
+combiners and async iterations are refused before any job; the pure merge logic."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hybrid_iter as hi
+from coordinator._protocol import Emissions
+from coordinator._tree import SumCombiner, fold, group_bounds, precombine
+
+PARTS = 4
+DIM = 64
+
+
+class Noisy(hi.PartitionOperator):
+    """Feeds back two float vectors per epoch (so the task merges its own values too)
+    whose sum depends on the order of the additions (values of very different scales)."""
+
+    def open(self, ctx):
+        self.rows = []
+
+    def process_data(self, stream, batch, ctx, out):
+        self.rows.extend(batch.column("x").to_pylist())
+
+    def on_epoch_watermark_incremented(self, epoch, ctx, out):
+        rng = np.random.default_rng([ctx.partition_id, epoch])
+        scale = 10.0 ** rng.integers(-8, 9, DIM)
+        for _ in range(2):
+            out.feedback((rng.standard_normal(DIM) * scale, float(sum(self.rows)), 1))
+        out.output("seen", ctx.partition_id)
+
+
+class Summer(hi.CoordinatorOperator):
+    """Adds the feedback up; per epoch outputs the total and how many calls it took;
+    continues while ``epoch < last``."""
+
+    def __init__(self, last: int = 2) -> None:
+        self.last = last
+
+    def open(self, init_variables, ctx):
+        self.acc, self.calls = None, 0
+
+    def process_feedback(self, value, ctx, out):
+        self.calls += 1
+        if self.acc is None:
+            self.acc = [np.array(value[0]), value[1], value[2]]
+        else:
+            self.acc = [self.acc[0] + value[0], self.acc[1] + value[1], self.acc[2] + value[2]]
+
+    def on_epoch_watermark_incremented(self, epoch, ctx, out):
+        out.output("total", self.acc)
+        out.output("calls", self.calls)
+        self.acc, self.calls = None, 0
+        if epoch < self.last:
+            out.criteria()
+
+
+@pytest.fixture(scope="module")
+def data(spark):
+    df = spark.range(0, 400, numPartitions=PARTS).selectExpr("CAST(id AS DOUBLE) AS x").cache()
+    df.count()
+    yield df
+    df.unpersist()
+
+
+def _run(df, last=2, config_kw=None, **body_kw):
+    body = hi.IterationBody(partition=Noisy(), coordinator=Summer(last), criteria=True, **body_kw)
+    config = hi.IterationConfig(
+        staleness=0, max_epochs=10, parallelism=PARTS, progress=False, **(config_kw or {})
+    )
+    return hi.iterate_bounded_streams_until_termination(
+        {"w": np.zeros(1)}, hi.ReplayableDataStreamList.not_replay(df), config, body
+    )
+
+
+def test_combined_runs_equal_flat_and_repeat_bit_for_bit(data):
+    flat = _run(data)
+    direct = _run(data, feedback_combine="sum")  # 4 subtasks <= fan-in: no groups
+    grouped = _run(data, feedback_combine="sum", feedback_fan_in=2)  # 2 group actors
+    again = _run(data, feedback_combine="sum", feedback_fan_in=2)
+    assert flat.epochs == direct.epochs == grouped.epochs == 3
+    # flat: one process_feedback per record; combined: one per epoch, whatever the tree
+    assert flat.outputs["calls"] == [2 * PARTS] * 3
+    assert direct.outputs["calls"] == grouped.outputs["calls"] == [1] * 3
+    # the per-partition record counts are the records emitted, not the merged values
+    assert (
+        dict(direct.feedback_counts)
+        == dict(grouped.feedback_counts)
+        == dict(flat.feedback_counts)
+        == {p: 6 for p in range(PARTS)}
+    )
+    assert sorted(grouped.outputs["seen"]) == sorted(flat.outputs["seen"])
+    for f, d, g, a in zip(
+        flat.outputs["total"],
+        direct.outputs["total"],
+        grouped.outputs["total"],
+        again.outputs["total"],
+    ):
+        np.testing.assert_allclose(d[0], f[0], rtol=1e-12, atol=1e-6)
+        np.testing.assert_allclose(g[0], f[0], rtol=1e-12, atol=1e-6)
+        assert d[1:] == f[1:] == g[1:] and g[2] == 2 * PARTS
+        assert np.array_equal(g[0], a[0])  # bit for bit, run to run
+    # the tree really changed the merge order somewhere (else the test proves nothing)
+    assert any(
+        not np.array_equal(f[0], g[0])
+        for f, g in zip(flat.outputs["total"], grouped.outputs["total"])
+    )
+
+
+def test_a_killed_coordinator_restores_a_tree_run_to_the_same_bits(data, tmp_path):
+    """SIGKILL-like exit of the coordinator process (its group actors die with it) at
+    alignment 3: Ray restarts it, it reloads the checkpoint of alignment 2, the relaunched
+    tasks find their new groups, and the result is the fault-free run's, bit for bit."""
+    tree = {"feedback_combine": "sum", "feedback_fan_in": 2}
+    clean = _run(data, last=4, **tree)
+    killed = _run(
+        data,
+        last=4,
+        config_kw={
+            "checkpoint": hi.CheckpointConfig(str(tmp_path), every_epochs=2),
+            "faults": hi.FaultInjection(kill_coordinator_at=3),
+        },
+        **tree,
+    )
+    assert killed.extra["attempts"], "the fault did not happen"
+    assert clean.epochs == killed.epochs == 5
+    for a, b in zip(clean.outputs["total"], killed.outputs["total"], strict=True):
+        assert np.array_equal(a[0], b[0]) and a[1:] == b[1:]
+    assert killed.outputs["calls"] == [1] * 5
+
+
+class NoMerge:
+    def combine(self, a, b):
+        return a + b
+
+
+@pytest.mark.parametrize(
+    "combine, message",
+    [
+        (NoMerge(), "NoMerge has no merge method"),
+        ("mean", "feedback_combine='mean' is not supported"),
+        (3, "int has no merge method"),
+    ],
+)
+def test_a_non_combinable_feedback_is_refused_at_once(combine, message):
+    with pytest.raises(hi.IterationConfigError, match=message):
+        hi.IterationBody(partition=Noisy(), coordinator=Summer(), feedback_combine=combine)
+
+
+def test_async_with_feedback_combine_is_refused_before_any_job(spark, data):
+    body = hi.IterationBody(partition=Noisy(), coordinator=Summer(), feedback_combine="sum")
+    tracker = spark.sparkContext.statusTracker()
+    before = set(tracker.getJobIdsForGroup(None))
+    for staleness in (None, 1):
+        config = hi.IterationConfig(staleness=staleness, max_epochs=3, parallelism=PARTS)
+        with pytest.raises(hi.IterationConfigError, match="needs a sync iteration"):
+            hi.iterate_bounded_streams_until_termination(
+                {"w": np.zeros(1)}, hi.ReplayableDataStreamList.not_replay(data), config, body
+            )
+    assert set(tracker.getJobIdsForGroup(None)) == before
+    with pytest.raises(hi.IterationConfigError, match="feedback_fan_in"):
+        hi.IterationBody(partition=Noisy(), feedback_combine="sum", feedback_fan_in=0)
+
+
+def test_a_feedback_sum_cannot_add_fails_the_run_naming_the_fix(data):
+    class Words(Noisy):
+        def on_epoch_watermark_incremented(self, epoch, ctx, out):
+            out.feedback("a word")
+
+    body = hi.IterationBody(partition=Words(), coordinator=Summer(), feedback_combine="sum")
+    config = hi.IterationConfig(staleness=0, max_epochs=2, parallelism=2, progress=False)
+    with pytest.raises(hi.IterationFailedError, match="sums numbers, numpy arrays"):
+        hi.iterate_bounded_streams_until_termination(
+            {"w": np.zeros(1)}, hi.ReplayableDataStreamList.not_replay(data), config, body
+        )
+
+
+# -- the pure parts ------------------------------------------------------------------------
+
+
+def test_sum_merges_structures_in_a_fixed_left_to_right_order():
+    s = SumCombiner()
+    vals = [(np.array([1e16, 1.0]), 1, {"a": 2.0}), (np.array([1.0, 1.0]), 2, {"a": 3.0})]
+    vals.append((np.array([-1e16, 0.0]), 3, {"a": 4.0}))
+    total = fold(vals, s)
+    assert total[1] == 6 and total[2] == {"a": 9.0}
+    assert total[0].tolist() == [((1e16 + 1.0) + -1e16), 2.0]  # the left fold's rounding
+    assert vals[0][0].tolist() == [1e16, 1.0]  # inputs are never written to
+    with pytest.raises(ValueError, match="same structure"):
+        s.merge((1, 2), (1,))
+    with pytest.raises(ValueError, match="same keys"):
+        s.merge({"a": 1}, {"b": 1})
+    with pytest.raises(ValueError, match="shapes"):
+        s.merge(np.zeros(2), np.zeros(3))
+
+
+def test_groups_bound_the_fan_in_and_precombine_keeps_the_record_count():
+    assert group_bounds(32, 32) == []
+    for n in (33, 100, 1024, 5000):
+        b = group_bounds(n, 32)
+        assert len(b) <= 32 and b[0][0] == 0 and b[-1][1] == n
+        assert all(lo < hi for lo, hi in b) and all(
+            b[i][1] == b[i + 1][0] for i in range(len(b) - 1)
+        )
+    assert max(hi - lo for lo, hi in group_bounds(1024, 32)) == 32
+    em = precombine(Emissions(feedback=[1.0, 2.0, 3.0], outputs=[("t", 1)]), SumCombiner())
+    assert em.feedback == [6.0] and em.feedback_count == 3 and em.outputs == [("t", 1)]
+
+
+# -- the scale harness, reduced ----------------------------------------------------------------
+
+
+def _bench_scale():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scale.py"
+    mod = sys.modules.get("bench_scale")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("bench_scale", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["bench_scale"] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_scale_harness_at_64_subtasks_flat_and_tree(session):
+    """64 simulated subtasks through the real coordinator and task-side code: flat, every
+    call and value reaches the coordinator; tree (fan-in 32), 2 group calls and one
+    merged value per epoch, and the sum is right (checked inside ``run_config``)."""
+    bench = _bench_scale()
+    flat = bench.run_config(64, 1000, tree=False, epochs=2)
+    tree = bench.run_config(64, 1000, tree=True, epochs=2)
+    assert flat["coordinator_calls_per_epoch"] == 64 and tree["groups"] == 2
+    assert tree["coordinator_calls_per_epoch"] == 2
+    assert flat["process_feedback_calls_per_epoch"] == 64
+    assert tree["process_feedback_calls_per_epoch"] == 1
+    assert tree["coordinator_bytes_in_per_epoch"] < flat["coordinator_bytes_in_per_epoch"] / 10
+    assert bench.fit_growth([2, 4, 8], [1.0, 2.0, 4.0]) == pytest.approx(1.0)
