@@ -26,7 +26,16 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-__all__ = ["CheckpointCorrupt", "CheckpointStore", "LoadedCheckpoint", "fingerprint_mismatch"]
+__all__ = [
+    "CheckpointCorrupt",
+    "CheckpointStore",
+    "LoadedCheckpoint",
+    "delete_name",
+    "fingerprint_mismatch",
+    "list_names",
+    "read_record",
+    "write_record",
+]
 
 _MAGIC = b"HICKPT1\n"
 _HEADER = len(_MAGIC) + 32 + 8
@@ -154,6 +163,37 @@ class CheckpointStore:
                 if e <= epoch:
                     records.extend(pickle.loads(self._read(name)))
         return records
+
+
+# -- named records beside the checkpoints (the online journal; issue 16) ---------------------
+# Small separate functions so the checkpoint framing above stays the one place that decides
+# how a file is sealed and checked: a record is written and read exactly like a checkpoint.
+
+
+def write_record(store: CheckpointStore, name: str, obj: Any) -> str:
+    """Write ``obj`` as the sealed file ``name`` in the store's directory (atomic)."""
+    return store._write_atomic(name, _encode(pickle.dumps(obj, protocol=5)))
+
+
+def read_record(store: CheckpointStore, name: str) -> Any:
+    """Read record ``name``; ``CheckpointCorrupt`` (or ``OSError``) when it cannot be used."""
+    try:
+        return pickle.loads(store._read(name))
+    except (pickle.UnpicklingError, EOFError) as ex:
+        raise CheckpointCorrupt(f"{store.dir}/{name}: {ex}") from ex
+
+
+def list_names(store: CheckpointStore) -> list[str]:
+    """The file names in the store's directory, sorted."""
+    return store._names()
+
+
+def delete_name(store: CheckpointStore, name: str) -> None:
+    """Delete ``name`` from the store's directory (gone already: fine)."""
+    try:
+        store.fs.delete_file(f"{store.dir}/{name}")
+    except (OSError, FileNotFoundError):
+        pass
 
 
 def fingerprint_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str:

@@ -40,6 +40,7 @@ from ._errors import (
 from ._iterate import iterate_bounded_streams_until_termination
 from ._online import (
     EPOCH_MAX,
+    OnlineCheckpointError,
     OnlineConfig,
     OnlineIteration,
     OnlineProgress,
@@ -75,6 +76,7 @@ __all__ = [
     "IterationListener",
     "IterationResult",
     "NumpyCache",
+    "OnlineCheckpointError",
     "OnlineConfig",
     "OnlineIteration",
     "OnlineProgress",

@@ -1,5 +1,7 @@
 """An online iteration in its own process (so test_online.py can kill its driver):
-``python online_job.py INPUT_DIR CHECKPOINT_DIR [KILL_AFTER_BATCH]``."""
+``python online_job.py INPUT_DIR CHECKPOINT_DIR [KILL_AFTER_BATCH]``. Prints
+``COMMITTED <batch id>`` after every committed batch (a test may SIGKILL it from there)
+and ``RESULT {...}`` at the end."""
 
 from __future__ import annotations
 
@@ -25,12 +27,14 @@ def main(input_dir: str, checkpoint: str, kill_after: int | None) -> int:
                 checkpoint_location=checkpoint,
                 trigger={"availableNow": True},
                 kill_driver_after_batch=kill_after,
+                on_outputs=lambda batch_id, _: print(f"COMMITTED {batch_id}", flush=True),
             ),
         )
         it.await_termination()
         result = {
             "w_hex": it.latest_variables()["w"].tobytes().hex(),
             "batches": it.progress.batches,
+            "rows": it.progress.rows,
         }
         it.stop()
     print("RESULT " + json.dumps(result), flush=True)
