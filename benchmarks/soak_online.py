@@ -118,7 +118,12 @@ def job(data: str, ckpt: str, until: int, sample_every: int) -> int:
 
     t0 = time.perf_counter()
     final = until < 0  # the last driver: drain what is left (availableNow), then report
-    with hi.Session.local(2, driver_memory="1g") as session:
+    retain = {  # what Spark's driver keeps of finished jobs: see docs/online.md
+        "spark.ui.retainedJobs": "100",
+        "spark.ui.retainedStages": "100",
+        "spark.sql.ui.retainedExecutions": "50",
+    }
+    with hi.Session.local(2, driver_memory="1g", spark_conf=retain) as session:
         t_session = time.perf_counter()
         stream = (
             session.spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).parquet(data)

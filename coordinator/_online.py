@@ -311,6 +311,10 @@ class OnlineCoordinator(IterationCoordinator):
             self._outputs = []
             report["replayed"].append(b)
         self._saved_outputs = 0
+        if report["skipped"] and report["replayed"]:
+            # the journal rebuilt what a damaged snapshot held: write it down again, so the
+            # damaged file is replaced and does not count among the kept snapshots
+            self._persist()
         report["seconds"] = time.perf_counter() - started
         return True
 

@@ -538,6 +538,26 @@ def _read_share(
             yield from table.to_batches(max_chunksize=plan.batch_rows)
 
 
+def _files_newer_than(path: str, options: Mapping[str, str], newest: float) -> int:
+    """Data files under the source ``path`` modified after ``newest`` (seconds; the
+    file source hands files out oldest first, so these are the ones still waiting).
+    Hidden files (``.`` or ``_``) do not count, as for Spark's file source."""
+    import pyarrow.fs as pafs
+
+    recursive = str(options.get("recursiveFileLookup", "false")).lower() == "true"
+    fs, base = _filesystem(path)
+    infos = fs.get_file_info(pafs.FileSelector(base, recursive=recursive, allow_not_found=True))
+    cutoff = int(newest * 1000)  # Spark's modification times are in milliseconds
+    return sum(
+        1
+        for i in infos
+        if i.type == pafs.FileType.File
+        and not i.base_name.startswith((".", "_"))
+        and i.mtime_ns is not None
+        and i.mtime_ns // 1_000_000 > cutoff
+    )
+
+
 def _parquet_source(df: Any) -> tuple[str, dict[str, str], Any] | None:
     """(path, options, Spark schema) when ``df`` is a Parquet file source as it came from
     ``spark.readStream`` (nothing applied on top); None for anything else."""
@@ -580,6 +600,7 @@ class OnlineIteration:
         lock: threading.Lock,
         stopping: threading.Event,
         lost_batches: tuple[int, ...] = (),
+        files_waiting: Callable[[], int | None] | None = None,
     ) -> None:
         self.query = query
         self._actor = actor
@@ -591,6 +612,8 @@ class OnlineIteration:
         self._stopped = False
         self._final: dict[str, Any] | None = None
         self.lost_batches = tuple(lost_batches)
+        self._files_waiting = files_waiting
+        self._lag: tuple[float, int | None] = (-1.0, None)  # (when, value): listing is not free
         self._logger: threading.Thread | None = None
         if config.log_every_seconds is not None:
             self._logger = threading.Thread(
@@ -631,20 +654,29 @@ class OnlineIteration:
         )
 
     def _lag_files(self) -> int | None:
-        """Files the source has seen but not yet handed to a micro-batch (Spark's file
-        source reports ``numFilesOutstanding``; other sources: None)."""
+        """Files waiting in the source: Spark's ``numFilesOutstanding`` when the source
+        reports it, else (a Parquet source we read) the files newer than the newest one
+        trained on, listed at most once a second; None for other sources."""
         try:
             last = self.query.lastProgress
         except Exception:
-            return None
-        if not last:
-            return None
+            last = None
         total = None
-        for source in last.get("sources", []):
+        for source in (last or {}).get("sources", []):
             n = (source.get("metrics") or {}).get("numFilesOutstanding")
             if n is not None:
                 total = (total or 0) + int(n)
-        return total
+        if total is not None or self._files_waiting is None:
+            return total
+        when, value = self._lag
+        if time.monotonic() - when >= 1.0:
+            try:
+                value = self._files_waiting()
+            except Exception as ex:  # a status figure must never take the job down
+                log.debug("could not list the source directory: %s", ex)
+                value = None
+            self._lag = (time.monotonic(), value)
+        return value
 
     def _log_loop(self) -> None:
         interval = float(self._config.log_every_seconds or 60.0)
@@ -897,7 +929,12 @@ def iterate_unbounded_streams(
                 state["committed"],
             )
     resumed = state["committed"] >= 0
-    where = {"committed": state["committed"], "round": state["round"], "redelivered": False}
+    where: dict[str, Any] = {
+        "committed": state["committed"],
+        "round": state["round"],
+        "redelivered": False,
+        "newest_file": None,  # modification time of the newest file trained on (lag)
+    }
     plan = _OnlinePlan(
         ray_address=address,
         namespace=NAMESPACE,
@@ -997,13 +1034,17 @@ def iterate_unbounded_streams(
     def _run_files(batch_df: Any, batch_id: int, bad: list[dict[str, Any]]) -> list[dict]:
         """A Parquet source's micro-batch: footers checked here, shares read by tasks."""
         assert arrow_schema is not None
-        paths = sorted(r[0] for r in batch_df.select("path").collect())
+        listed = batch_df.select("path", "modificationTime").collect()
+        paths = sorted(r[0] for r in listed)
         files: list[tuple[str, list[int]]] = []
         for path in paths:
             try:
                 files.append((path, _file_row_groups(path, arrow_schema)))
             except Exception as ex:
                 bad.append({"path": path, "reason": f"{type(ex).__name__}: {ex}"})
+        stamps = [r[1].timestamp() for r in listed if r[1] is not None]
+        if stamps:  # for the lag: files newer than this one are still waiting
+            where["newest_file"] = max(stamps)
         tasks = cfg.parallelism or spark.sparkContext.defaultParallelism
         shares = _assign(files, tasks) if files else []
         if not shares:  # nothing readable: the round still closes (counts, watermark)
@@ -1032,7 +1073,19 @@ def iterate_unbounded_streams(
     except Exception:
         ray.kill(actor)
         raise
-    return OnlineIteration(query, actor, spark, cfg, buffer, lock, stopping, lost)
+    files_waiting = None
+    if parquet is not None:
+        source_path, source_options = parquet[0], parquet[1]
+
+        def files_waiting() -> int | None:
+            newest = where.get("newest_file")
+            if newest is None:
+                return None
+            return _files_newer_than(source_path, source_options, newest)
+
+    return OnlineIteration(
+        query, actor, spark, cfg, buffer, lock, stopping, lost, files_waiting=files_waiting
+    )
 
 
 def _partial_run(

@@ -329,6 +329,7 @@ def test_state_stays_bounded_and_stop_drains(spark, tmp_path):
         assert progress.batches >= target
         assert progress.batches_per_s > 0 and progress.rows_per_s > 0
         assert progress.last_checkpoint_age_s is not None
+        assert progress.lag_files == 16 - progress.batches  # files not yet trained on
         assert "batches" in progress.status_line() and "lag" in progress.status_line()
         counts.append(len(_hybrid_files(ckpt)))
     assert counts[0] <= 4 and counts[1] <= 4, _hybrid_files(ckpt)
