@@ -1061,7 +1061,7 @@ def iterate_unbounded_streams(
             .schema(_BINARY_FILE_SCHEMA)
             .options(**{k: v for k, v in options.items() if k.lower() != "path"})
             .load(path)
-            .select("path")
+            .select("path", "modificationTime")
         )
     writer = writer_df.writeStream.foreachBatch(on_batch).queryName(name.replace(".", "_"))
     if cfg.checkpoint_location is not None:
