@@ -147,10 +147,14 @@ def job(data: str, ckpt: str, until: int, sample_every: int) -> int:
         samples: list[dict] = []
         t_first = None
         next_sample = first
+        seen = -1
         while True:
             p = it.progress
             if t_first is None and p.batches > first:
                 t_first = time.perf_counter()
+            if p.batches != seen:
+                seen = p.batches
+                print(f"BATCH {seen}", flush=True)  # a killer may watch for this
             if p.batches >= next_sample and not final:
                 samples.append(
                     {
@@ -229,7 +233,10 @@ def long_run(root: Path, batches: int, every: int, rows: int, sample_every: int)
     runs.append(end)
     want = expected(batches, rows)
     got = (end["rows"], end["total"][1] if end["total"] else None)
-    ok = end["batches"] == batches and tuple(end["total"] or ()) == want and got[0] == want[0]
+    # rows and id sum, not the batch count: a driver stopped or killed while Spark was
+    # planning a batch can make Spark put two files into one later batch (each file still
+    # exactly once)
+    ok = tuple(end["total"] or ()) == want and got[0] == want[0]
     print(
         f"  end: {end['batches']} batches, rows {end['rows']} (want {want[0]}), total "
         f"{end['total']} (want {list(want)}): {'exactly once' if ok else 'MISMATCH'}",
@@ -245,7 +252,10 @@ def kill_runs(root: Path, runs: int, files: int, rows: int, seed: int) -> list[d
         data, ckpt = root / f"kill{k}_in", root / f"kill{k}_ckpt"
         data.mkdir()
         write_files(data, 0, files, rows)
-        delay = rng.uniform(0.0, 1.0)  # after the query started: anywhere in the stream
+        # the fault's moment: once batch `target` has committed, plus up to half a second,
+        # so kills land anywhere: between batches, mid-batch, mid-checkpoint
+        target = rng.randrange(0, files)
+        extra = rng.uniform(0.0, 0.5)
         proc = subprocess.Popen(
             _cmd(data, ckpt, files, 10**9),
             stdout=subprocess.PIPE,
@@ -256,24 +266,24 @@ def kill_runs(root: Path, runs: int, files: int, rows: int, seed: int) -> list[d
         killed_at = None
         try:
             for line in proc.stdout:
-                if line.startswith("STARTED"):
+                if line.startswith("BATCH ") and int(line.split()[1]) >= target:
                     break
-            time.sleep(delay * files * 0.1)  # the fault's moment, not a synchronization
+            time.sleep(extra)
             if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-                killed_at = len(os.listdir(ckpt / "commits")) if (ckpt / "commits").exists() else 0
+                os.kill(proc.pid, signal.SIGKILL)  # the driver process only, from outside
+                killed_at = target
             proc.wait(timeout=120)
         finally:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)  # what the dead driver had started
             except ProcessLookupError:
                 pass
         end = run_job(data, ckpt, -1, 10**9, timeout=1800)
         want = expected(files, rows)
-        ok = end["batches"] == files and tuple(end["total"] or ()) == want
+        ok = tuple(end["total"] or ()) == want and end["rows"] == want[0]
         out.append({"run": k, "spark_commits_at_kill": killed_at, "end": end, "exactly_once": ok})
         print(
-            f"  kill run {k}: SIGKILL with ~{killed_at} Spark commits (files incl. crc), end "
+            f"  kill run {k}: SIGKILL {extra:.2f} s after batch {killed_at} committed, end "
             f"{end['batches']} batches, total {end['total']} want {list(want)}: "
             f"{'exactly once' if ok else 'MISMATCH'}",
             flush=True,

@@ -116,3 +116,39 @@ def _land(directory, name, index, write):
     write(tmp)
     os.utime(tmp, (1_700_000_000 + index, 1_700_000_000 + index))
     os.rename(tmp, os.path.join(directory, name))
+
+
+class Sums(hi.PartitionOperator):
+    """Feeds back the row count and the column sums of its share of a micro-batch: the
+    totals tell whether every row was applied exactly once, whatever Spark's batching."""
+
+    def open(self, ctx):
+        self.acc = np.zeros(5)
+
+    def process_data(self, stream, batch, ctx, out):
+        cols = [np.asarray(batch.column(c), dtype=float) for c in ("x0", "x1", "x2", "y")]
+        self.acc += np.array([batch.num_rows, *(c.sum() for c in cols)])
+
+    def on_epoch_watermark_incremented(self, epoch, ctx, out):
+        out.feedback(self.acc)
+
+
+class Total(hi.CoordinatorOperator):
+    def open(self, init_variables, ctx):
+        self.total = np.array(init_variables["total"])
+
+    def process_feedback(self, value, ctx, out):
+        self.total = self.total + value
+
+    def on_epoch_watermark_incremented(self, epoch, ctx, out):
+        out.publish_variables(total=self.total)
+        out.output("rows", float(self.total[0]))  # one output per batch: a sign of life
+
+
+def totals(batches):
+    """What ``Total`` must end with after every row of ``batches`` applied once."""
+    return np.array(
+        [sum(len(y) for _, y in batches)]
+        + [sum(X[:, j].sum() for X, _ in batches) for j in range(3)]
+        + [sum(y.sum() for _, y in batches)]
+    )
