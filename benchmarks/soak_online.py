@@ -297,6 +297,7 @@ def main() -> None:
     ap.add_argument("--restart-every", type=int, default=1000)
     ap.add_argument("--rows", type=int, default=10)
     ap.add_argument("--sample-every", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=200, help="batches per driver before RSS counts")
     ap.add_argument("--kill-runs", type=int, default=20)
     ap.add_argument("--kill-files", type=int, default=30)
     ap.add_argument("--seed", type=int, default=16)
@@ -331,14 +332,22 @@ def summarize(report: dict) -> dict:
     lr = report.get("long_run")
     if lr:
         samples = [x for r in lr["runs"] for x in r["samples"]]
-        warm = [x for x in samples if x["batches"] >= samples[0]["batches"] + 200] or samples
+        warmup = report["args"]["warmup"]
+        # per driver process: its samples after its own warm-up (a restart is a new process)
+        warm_runs = [
+            [x for x in r["samples"] if x["batches"] >= r["samples"][0]["batches"] + warmup]
+            for r in lr["runs"]
+            if r["samples"]
+        ]
+        warm_runs = [w for w in warm_runs if len(w) >= 2]
 
         def spread(key: str) -> dict:
-            v = [x[key] for x in warm]
+            ratios = [max(x[key] for x in w) / min(x[key] for x in w) for w in warm_runs]
+            v = [x[key] for w in warm_runs for x in w] or [0]
             return {
                 "min_mib": min(v) / 1024,
                 "max_mib": max(v) / 1024,
-                "max_over_min": max(v) / min(v),
+                "max_over_min_within_a_driver": max(ratios) if ratios else None,
             }
 
         starts = [r["first_commit_s"] for r in lr["runs"] if r["first_commit_s"] is not None]

@@ -44,13 +44,13 @@ def start(spark, input_dir, body=None, *, numeric=True, **config):
     )
 
 
-def start_parquet(spark, input_dir, **config):
+def start_parquet(spark, input_dir, body=None, init=None, **config):
     stream = spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).parquet(str(input_dir))
     config.setdefault("trigger", {"availableNow": True})
     return hi.iterate_unbounded_streams(
-        {"w": np.zeros(3)},
+        init or {"w": np.zeros(3)},
         hi.ReplayableDataStreamList.not_replay(hi.DataStream(stream, FEATURES)),
-        hi.IterationBody(Grad(), Step()),
+        body or hi.IterationBody(Grad(), Step()),
         hi.OnlineConfig(**config),
     )
 
