@@ -187,6 +187,7 @@ class OnlineCoordinator(IterationCoordinator):
             "restore": dict(self.restore_report),
             "restore_s": self.restore_report.get("seconds"),
             "held_outputs": len(self._outputs),
+            "recent_commits": list(self._rate),  # (time, rows) of the last commits
             "pid": os.getpid(),
         }
 
