@@ -278,7 +278,12 @@ def kill_runs(root: Path, runs: int, files: int, rows: int, seed: int) -> list[d
                 os.killpg(proc.pid, signal.SIGKILL)  # what the dead driver had started
             except ProcessLookupError:
                 pass
-        end = run_job(data, ckpt, -1, 10**9, timeout=1800)
+        try:
+            end = run_job(data, ckpt, -1, 10**9, timeout=1800)
+        except RuntimeError as ex:  # e.g. Ray could not start on an overloaded machine
+            print(f"  kill run {k}: the restart could not run: {str(ex)[-300:]}", flush=True)
+            out.append({"run": k, "killed_after_batch": killed_at, "infra_failure": str(ex)})
+            continue
         want = expected(files, rows)
         ok = tuple(end["total"] or ()) == want and end["rows"] == want[0]
         out.append({"run": k, "spark_commits_at_kill": killed_at, "end": end, "exactly_once": ok})
@@ -316,6 +321,9 @@ def main() -> None:
             report["kill_runs"] = kill_runs(
                 root, args.kill_runs, args.kill_files, args.rows, args.seed
             )
+    except Exception as ex:  # keep what was measured
+        report["error"] = repr(ex)
+        print(f"soak stopped: {ex!r}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     summary = summarize(report)
@@ -365,7 +373,8 @@ def summarize(report: dict) -> dict:
     kr = report.get("kill_runs")
     if kr:
         s["kill_runs"] = len(kr)
-        s["kill_runs_exactly_once"] = sum(1 for r in kr if r["exactly_once"])
+        s["kill_runs_exactly_once"] = sum(1 for r in kr if r.get("exactly_once"))
+        s["kill_runs_not_restarted_infra"] = sum(1 for r in kr if "infra_failure" in r)
     return s
 
 
