@@ -56,9 +56,13 @@ __all__ = [
     "LoadedCheckpoint",
     "checkpoint_key",
     "damaged_since",
+    "delete_name",
     "fingerprint_mismatch",
     "key_id",
+    "list_names",
     "open_filesystem",
+    "read_record",
+    "write_record",
 ]
 
 KEY_ENV = "HYBRID_ITER_CHECKPOINT_KEY"
@@ -397,6 +401,43 @@ def damaged_since(skipped: Any, epoch: int) -> bool:
             if int(name[4:-5]) >= epoch:
                 return True
     return False
+
+
+# -- named records beside the checkpoints (the online journal; issue 16) ---------------------
+# Small separate functions so the checkpoint framing above stays the one place that decides
+# how a file is sealed and checked: a record is written and read exactly like a checkpoint.
+
+
+def write_record(store: CheckpointStore, name: str, obj: Any) -> str:
+    """Write ``obj`` as the sealed file ``name`` in the store's directory (atomic)."""
+    pieces = _encode(obj, key=store.key, run_id=store.run_id, kind="record", epoch=-1)
+    return store._write_atomic(name, pieces)
+
+
+def read_record(store: CheckpointStore, name: str) -> Any:
+    """Read record ``name``; ``CheckpointCorrupt`` (or ``OSError``) when it cannot be used."""
+    try:
+        header, obj = store._read(name)
+    except (pickle.UnpicklingError, EOFError) as ex:
+        raise CheckpointCorrupt(f"{store.dir}/{name}: {ex}") from ex
+    if store.run_id and header.get("run_id") != store.run_id:
+        raise CheckpointCorrupt(
+            f"{store.dir}/{name}: belongs to run {header.get('run_id')!r}, not {store.run_id!r}"
+        )
+    return obj
+
+
+def list_names(store: CheckpointStore) -> list[str]:
+    """The file names in the store's directory, sorted."""
+    return store._names()
+
+
+def delete_name(store: CheckpointStore, name: str) -> None:
+    """Delete ``name`` from the store's directory (gone already: fine)."""
+    try:
+        store.fs.delete_file(f"{store.dir}/{name}")
+    except (OSError, FileNotFoundError):
+        pass
 
 
 def fingerprint_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str:

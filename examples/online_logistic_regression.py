@@ -159,15 +159,17 @@ def main(
         it.stop()
     print(
         f"{progress.batches} micro-batches, {progress.rows:,} rows trained on, "
-        f"{progress.dead_letters} malformed rows in {base / 'checkpoint' / 'dead_letter'}; "
-        f"final rolling accuracy {accuracy[-1]:.4f}"
+        f"{progress.dead_letters} malformed rows and {progress.dead_files} rejected files in "
+        f"{base / 'checkpoint' / 'dead_letter'}; final rolling accuracy {accuracy[-1]:.4f}"
         if accuracy
         else "no batch processed"
     )
+    print(progress.status_line())  # the line the iteration logs every log_every_seconds
     return {
         "batches": progress.batches,
         "rows": progress.rows,
         "dead_letters": progress.dead_letters,
+        "dead_files": progress.dead_files,
         "accuracy": accuracy,
     }
 

@@ -41,6 +41,7 @@ from ._errors import (
 from ._iterate import iterate_bounded_streams_until_termination
 from ._online import (
     EPOCH_MAX,
+    OnlineCheckpointError,
     OnlineConfig,
     OnlineIteration,
     OnlineProgress,
@@ -76,6 +77,7 @@ __all__ = [
     "IterationListener",
     "IterationResult",
     "NumpyCache",
+    "OnlineCheckpointError",
     "OnlineConfig",
     "OnlineIteration",
     "OnlineProgress",

@@ -8,10 +8,17 @@ the newest variables, ``process_data``, then ``on_epoch_watermark_incremented(ro
 whose emissions reach the coordinator keyed by ``(batch_id, partition)``; then the driver
 commits the batch. Sync: the commit applies the batch's feedback in partition order
 against the one variables version the batch saw; async: feedback is applied as it
-arrives and partitions refresh the variables between Arrow batches. A replayed batch id
-is ignored (exactly-once with ``checkpoint_location``). Data records carry epoch MAX: only
-the variables advance, one round per micro-batch, and the iteration ends only when it is
-stopped.
+arrives and partitions pick up newer variables between Arrow batches (prefetched, never
+a blocking read per batch). A replayed batch id is ignored (exactly-once with
+``checkpoint_location``). Data records carry epoch MAX: only the variables advance, one
+round per micro-batch, and the iteration ends only when it is stopped.
+
+A **Parquet file source** (``spark.readStream.schema(...).parquet(dir)``, nothing applied
+on top) is read by our own tasks with pyarrow: Spark's file source still decides which
+files make up each micro-batch (its offsets and file log give exactly-once), but a file
+that is not Parquet or whose columns do not match the stream's schema goes to the
+dead-letter path (path, reason, batch id) instead of failing the query. Other sources
+(CSV, JSON, Kafka, a transformed DataFrame) are read by Spark as before.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from coordinator import (
 
 from ._body import IterationBody
 from ._config import IterationConfig, OperatorLifecycle, _check_uri, _is_int
-from ._errors import IterationConfigError, IterationFailedError
+from ._errors import HybridIterError, IterationConfigError, IterationFailedError
 from ._ray_util import NAMESPACE, connect
 from ._shipping import dumps
 from ._streams import ReplayableDataStreamList, _is_dataframe
@@ -50,6 +57,7 @@ from ._task import PartitionCollector, PartitionContext, _coordinator, _resolve
 
 __all__ = [
     "EPOCH_MAX",
+    "OnlineCheckpointError",
     "OnlineConfig",
     "OnlineIteration",
     "OnlineProgress",
@@ -61,6 +69,26 @@ log = logging.getLogger("hybrid_iter")
 #: the epoch of every data record of an unbounded iteration (it never moves a watermark)
 EPOCH_MAX = sys.maxsize
 
+#: the fixed schema of Spark's ``binaryFile`` source (we select only ``path``: Spark does
+#: not open a file unless its ``content`` column is read)
+_BINARY_FILE_SCHEMA = "path string, modificationTime timestamp, length long, content binary"
+
+#: marks the error a micro-batch raises when it starts while ``stop()`` drains
+_STOPPING = "hybrid_iter: the online iteration is stopping"
+
+
+class OnlineCheckpointError(HybridIterError, RuntimeError):
+    """The online checkpoint cannot restore every micro-batch Spark has committed; the
+    message names the batch ids at risk and the choices."""
+
+    def __init__(self, message: str, at_risk: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.message = message
+        self.at_risk = tuple(at_risk)
+
+    def __reduce__(self):
+        return (OnlineCheckpointError, (self.message, self.at_risk))
+
 
 @dataclass(frozen=True, kw_only=True)
 class OnlineConfig:
@@ -69,28 +97,46 @@ class OnlineConfig:
     * ``staleness``: ``0`` sync (one lock-step round per micro-batch against one variables
       version) or ``None`` async (partitions' feedback applied as it arrives).
     * ``checkpoint_location``: Spark's checkpoint location of the query; the coordinator
-      persists its state under ``<location>/hybrid_iter`` at every committed micro-batch,
-      so a restarted query or driver continues exactly once.
+      persists its state under ``<location>/hybrid_iter`` at every committed micro-batch
+      (a journal record of the batch and a snapshot; at most ``2 * keep_last`` files), so
+      a restarted query or driver continues exactly once.
+    * ``on_corrupt_checkpoint``: what a restart does when the newest state it can restore
+      is older than the last batch Spark committed (snapshot and journal lost or corrupt):
+      ``"fail"`` (default) raises ``OnlineCheckpointError`` naming the batch ids at risk;
+      ``"reset"`` accepts the loss, continues from the newest state it could restore (or
+      the initial variables) and lists the lost ids in ``progress.lost_batches``.
     * ``trigger``: keyword arguments of ``DataStreamWriter.trigger`` (e.g.
       ``{"processingTime": "2 seconds"}`` or ``{"availableNow": True}``); None: as fast
       as data comes.
-    * ``dead_letter_path``: where malformed records go (JSON, one directory per batch);
+    * ``dead_letter_path``: where malformed records (Parquet, one directory per batch) and
+      rejected files (``_bad_files/batch_id=<id>.json``: path, reason, batch id) go;
       None: ``<checkpoint_location>/dead_letter`` when there is a location, else they are
-      only counted.
+      only counted (and rejected files logged).
     * ``output_path``: output records as JSON lines, one file per batch; ``on_outputs``: a
-      driver-side callback ``(batch_id, records)``.
-    * ``parallelism``: repartition every micro-batch to this many tasks (None: as it comes).
+      driver-side callback ``(batch_id, records)`` (after a driver crash the last batch's
+      records are delivered again: the file is rewritten, the callback may see them twice).
+    * ``parallelism``: this many tasks per micro-batch (None: as it comes).
+    * ``parquet_reader``: ``"arrow"`` (default) reads a Parquet file source's files in our
+      tasks with pyarrow (bad files dead-lettered); ``"spark"``: Spark reads them (a bad
+      file fails the query).
+    * ``log_every_seconds``: a status line (batches/s, rows/s, files waiting, dead
+      letters, checkpoint age) on the ``hybrid_iter`` logger this often; None: off.
+    * ``keep_last``: snapshots kept under the checkpoint location (>= 2).
     """
 
     staleness: int | None = 0
     checkpoint_location: str | None = None
+    on_corrupt_checkpoint: str = "fail"
     trigger: Mapping[str, Any] | None = None
     dead_letter_path: str | None = None
     output_path: str | None = None
     on_outputs: Callable[[int, list[OutputRecord]], None] | None = None
     parallelism: int | None = None
+    parquet_reader: str = "arrow"
     progress: bool | None = None
     progress_tag: str = "loss"
+    log_every_seconds: float | None = 60.0
+    keep_last: int = 2
     inline_variables_bytes: int = 64 * 1024
     name: str | None = None
     #: fault injection for tests: the driver process exits right after committing this
@@ -107,6 +153,17 @@ class OnlineConfig:
         for field in ("checkpoint_location", "dead_letter_path", "output_path"):
             if getattr(self, field) is not None:
                 _check_uri(f"OnlineConfig.{field}", getattr(self, field))
+        if self.on_corrupt_checkpoint not in ("fail", "reset"):
+            raise IterationConfigError(
+                f"OnlineConfig.on_corrupt_checkpoint must be 'fail' (stop with an error naming "
+                f"the batches at risk) or 'reset' (accept their loss), got "
+                f"{self.on_corrupt_checkpoint!r}"
+            )
+        if self.parquet_reader not in ("arrow", "spark"):
+            raise IterationConfigError(
+                f"OnlineConfig.parquet_reader must be 'arrow' or 'spark', got "
+                f"{self.parquet_reader!r}"
+            )
         if self.trigger is not None and not isinstance(self.trigger, Mapping):
             raise IterationConfigError(
                 "OnlineConfig.trigger must be a mapping of DataStreamWriter.trigger keyword "
@@ -118,6 +175,17 @@ class OnlineConfig:
             )
         if self.parallelism is not None and (not _is_int(self.parallelism) or self.parallelism < 1):
             raise IterationConfigError("OnlineConfig.parallelism must be None or an int >= 1")
+        if self.log_every_seconds is not None and not (
+            isinstance(self.log_every_seconds, int | float) and self.log_every_seconds > 0
+        ):
+            raise IterationConfigError(
+                "OnlineConfig.log_every_seconds must be None (no status line) or seconds > 0"
+            )
+        if not _is_int(self.keep_last) or self.keep_last < 2:
+            raise IterationConfigError(
+                "OnlineConfig.keep_last must be an int >= 2 (the previous snapshot is what a "
+                "corrupt newest one falls back to)"
+            )
 
     @classmethod
     def from_iteration_config(cls, config: IterationConfig) -> OnlineConfig:
@@ -150,8 +218,11 @@ class OnlineConfig:
 @dataclass(frozen=True)
 class OnlineProgress:
     """Where an online iteration is: micro-batches committed, rows trained on, malformed
-    rows sent to the dead-letter path, the epoch watermark (rounds completed - 1), the
-    newest ``progress_tag`` output, the variables version and the last batch id."""
+    rows and rejected files sent to the dead-letter path, the epoch watermark (rounds
+    completed - 1), the newest ``progress_tag`` output, the variables version, the last
+    batch id; batches/s and rows/s over the recent commits, files waiting in the source
+    (None when the source does not say), seconds since the last checkpoint, and the batch
+    ids lost by ``on_corrupt_checkpoint="reset"``."""
 
     batches: int
     rows: int
@@ -161,6 +232,25 @@ class OnlineProgress:
     version: int
     last_batch_id: int
     last_commit: float | None
+    dead_files: int = 0
+    batches_per_s: float | None = None
+    rows_per_s: float | None = None
+    lag_files: int | None = None
+    last_checkpoint_age_s: float | None = None
+    lost_batches: tuple[int, ...] = ()
+
+    def status_line(self) -> str:
+        def rate(x: float | None, fmt: str) -> str:
+            return "-" if x is None else format(x, fmt)
+
+        age = self.last_checkpoint_age_s
+        return (
+            f"batch {self.last_batch_id}: {self.batches} batches ({rate(self.batches_per_s, '.2f')}/s), "
+            f"{self.rows} rows ({rate(self.rows_per_s, ',.0f')}/s), "
+            f"lag {'-' if self.lag_files is None else self.lag_files} files, "
+            f"dead letters {self.dead_letters} rows / {self.dead_files} files, "
+            f"last checkpoint {'-' if age is None else f'{age:.1f} s'} ago"
+        )
 
 
 @dataclass(frozen=True)
@@ -177,10 +267,18 @@ class _OnlinePlan:
     numeric_columns: tuple[str, ...] = ()
     #: where malformed rows go (Parquet, one file per batch and partition); None: counted
     dead_letter_path: str | None = None
+    #: the stream's schema, when our tasks read the files themselves (Parquet source)
+    arrow_schema: pa.Schema | None = None
+    #: rows per Arrow batch handed to process_data when we read the files
+    batch_rows: int = 10_000
 
 
 def _run_partition(
-    plan: _OnlinePlan, batch_id: int, round_: int, batches: Iterator[pa.RecordBatch]
+    plan: _OnlinePlan,
+    batch_id: int,
+    round_: int,
+    batches: Iterator[pa.RecordBatch],
+    bad_files: list[dict[str, Any]] | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """One micro-batch partition through a fresh partition operator (a Spark task)."""
     import cloudpickle
@@ -203,6 +301,9 @@ def _run_partition(
         payload = ray.get(coord.variables.remote(-1))
         ctx.variables_version = payload.version
         op.process_variables(_resolve(payload), ctx, out)
+        # async: one variables request in flight, taken when it has arrived (never a
+        # blocking round trip per Arrow batch)
+        pending = coord.variables.remote(ctx.variables_version) if plan.staleness is None else None
         for batch in batches:
             if plan.numeric_columns:
                 batch, bad = _split_malformed(batch, plan.numeric_columns)
@@ -210,11 +311,14 @@ def _run_partition(
                     dead.append(bad)
                 if not batch.num_rows:
                     continue
-            if plan.staleness is None:  # async: the newest variables before each batch
-                newer = ray.get(coord.variables.remote(ctx.variables_version))
-                if newer is not None:
-                    ctx.variables_version = newer.version
-                    op.process_variables(_resolve(newer), ctx, out)
+            if pending is not None:
+                ready, _ = ray.wait([pending], timeout=0)
+                if ready:
+                    newer = ray.get(pending)
+                    if newer is not None:
+                        ctx.variables_version = newer.version
+                        op.process_variables(_resolve(newer), ctx, out)
+                    pending = coord.variables.remote(ctx.variables_version)
             rows += batch.num_rows
             op.process_data(0, batch, ctx, out)
         if rows:
@@ -227,7 +331,12 @@ def _run_partition(
             op.close()
         except Exception:
             pass  # close() must not hide the task's own outcome
-    summary = {"partition": pid, "rows": rows, "dead": sum(b.num_rows for b in dead)}
+    summary = {
+        "partition": pid,
+        "rows": rows,
+        "dead": sum(b.num_rows for b in dead),
+        "bad_files": list(bad_files or ()),
+    }
     yield pa.RecordBatch.from_pydict({"result": [pickle.dumps(summary)]})
 
 
@@ -247,12 +356,29 @@ def _split_malformed(
     return batch.filter(pc.invert(bad)), batch.filter(bad)
 
 
+def _filesystem(path: str) -> tuple[Any, str]:
+    """(pyarrow filesystem, path in it) of a local path or a URI (Spark's ``file:/x``)."""
+    import pyarrow.fs as pafs
+
+    if path.startswith("file:"):
+        rest = path[len("file:") :]
+        if rest.startswith("//"):  # file:///x (and file://host/x, local host only)
+            rest = rest[2:]
+            rest = rest[rest.index("/") :] if "/" in rest else "/"
+        return pafs.LocalFileSystem(), rest
+    if "://" in path:
+        scheme, rest = path.split("://", 1)
+        if scheme in ("s3a", "s3n"):  # Hadoop's names for S3
+            path = f"s3://{rest}"
+        return pafs.FileSystem.from_uri(path)
+    return pafs.LocalFileSystem(), path
+
+
 def _write_dead_letters(path: str, batch_id: int, pid: int, batches: list[pa.RecordBatch]) -> None:
     """Malformed rows of one batch and partition as Parquet (a replay rewrites the file)."""
-    import pyarrow.fs as pafs
     import pyarrow.parquet as pq
 
-    fs, base = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), path)
+    fs, base = _filesystem(path)
     directory = f"{base.rstrip('/')}/batch_id={batch_id}"
     fs.create_dir(directory, recursive=True)
     final = f"{directory}/part-{pid:05d}.parquet"
@@ -262,23 +388,238 @@ def _write_dead_letters(path: str, batch_id: int, pid: int, batches: list[pa.Rec
     fs.move(tmp, final)
 
 
+def _write_bad_files(path: str, batch_id: int, records: list[dict[str, Any]]) -> str:
+    """The rejected files of one batch, JSON lines ``{path, reason, batch_id}`` under
+    ``<dead_letter>/_bad_files/`` (the leading underscore keeps them out of readers of the
+    malformed-row Parquet dataset beside them; a replay rewrites the file)."""
+    fs, base = _filesystem(path)
+    directory = f"{base.rstrip('/')}/_bad_files"
+    fs.create_dir(directory, recursive=True)
+    final = f"{directory}/batch_id={batch_id}.json"
+    tmp = f"{directory}/.batch_id={batch_id}.tmp-{uuid.uuid4().hex}"
+    with fs.open_output_stream(tmp) as f:
+        f.write("".join(json.dumps({**r, "batch_id": batch_id}) + "\n" for r in records).encode())
+    fs.move(tmp, final)
+    return final
+
+
+# -- reading a Parquet file source ourselves ------------------------------------------------
+
+
+def _compatible(src: pa.DataType, dst: pa.DataType) -> bool:
+    """A file column of type ``src`` can be read as ``dst`` without changing a value."""
+    t = pa.types
+    if src == dst:
+        return True
+    if t.is_dictionary(src):
+        return _compatible(src.value_type, dst)
+    if t.is_integer(src) and t.is_integer(dst):
+        if t.is_signed_integer(src) == t.is_signed_integer(dst):
+            return src.bit_width <= dst.bit_width
+        return t.is_unsigned_integer(src) and src.bit_width < dst.bit_width
+    if t.is_floating(dst) and dst.bit_width == 64:
+        return (t.is_integer(src) and src.bit_width <= 32) or t.is_floating(src)
+    if t.is_timestamp(src) and t.is_timestamp(dst):
+        return True
+    if (t.is_string(src) or t.is_large_string(src)) and (
+        t.is_string(dst) or t.is_large_string(dst)
+    ):
+        return True
+    if (t.is_binary(src) or t.is_large_binary(src)) and (
+        t.is_binary(dst) or t.is_large_binary(dst)
+    ):
+        return True
+    return False
+
+
+def _schema_problem(file_schema: pa.Schema, schema: pa.Schema) -> str | None:
+    """Why a file of ``file_schema`` does not match the stream's ``schema`` (None: it
+    does). A column the file lacks reads as nulls, as Spark does; names match case-
+    insensitively, as Spark's Parquet reader does by default."""
+    by_name = {n.lower(): i for i, n in enumerate(file_schema.names)}
+    for field in schema:
+        i = by_name.get(field.name.lower())
+        if i is None:
+            continue
+        src = file_schema.field(i).type
+        if not _compatible(src, field.type):
+            return (
+                f"column {field.name!r} is {src} in the file; the stream's schema says {field.type}"
+            )
+    return None
+
+
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``table`` with exactly the stream's columns and types (missing ones null)."""
+    by_name = {n.lower(): n for n in table.column_names}
+    cols = []
+    for field in schema:
+        name = by_name.get(field.name.lower())
+        if name is None:
+            cols.append(pa.nulls(table.num_rows, field.type))
+            continue
+        col = table.column(name)
+        cols.append(col if col.type == field.type else col.cast(field.type))
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+def _file_row_groups(path: str, schema: pa.Schema) -> list[int]:
+    """The rows of each row group of Parquet file ``path``; raises when the file cannot
+    be used (not Parquet, unreadable footer, columns of the wrong type). Runs on the
+    driver: a footer read per file."""
+    import pyarrow.parquet as pq
+
+    fs, p = _filesystem(path)
+    with fs.open_input_file(p) as f:
+        meta = pq.ParquetFile(f).metadata
+        problem = _schema_problem(meta.schema.to_arrow_schema(), schema)
+        if problem:
+            raise ValueError(problem)
+        return [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+
+
+def _assign(
+    files: list[tuple[str, list[int]]], tasks: int
+) -> list[list[tuple[str, int, int, int]]]:
+    """Split the batch's rows into ``tasks`` contiguous shares of (path, row group, start,
+    stop) pieces, in path order (so sync results do not depend on listing order)."""
+    total = sum(sum(groups) for _, groups in files)
+    tasks = max(1, min(tasks, total))
+    bounds = [total * k // tasks for k in range(tasks + 1)]
+    shares: list[list[tuple[str, int, int, int]]] = [[] for _ in range(tasks)]
+    offset = 0
+    k = 0
+    for path, groups in files:
+        for rg, n in enumerate(groups):
+            lo, hi = offset, offset + n
+            while k < tasks and lo < hi:
+                cut = min(hi, bounds[k + 1])
+                if cut > lo:
+                    shares[k].append((path, rg, lo - offset, cut - offset))
+                lo = cut
+                if lo >= bounds[k + 1]:
+                    k += 1
+            offset = hi
+    return [s for s in shares if s]
+
+
+def _read_share(
+    plan: _OnlinePlan, share: list[tuple[str, int, int, int]], bad: list[dict[str, Any]]
+) -> Iterator[pa.RecordBatch]:
+    """The Arrow batches of one task's share (a Spark task). A file is read whole (its
+    pieces in this share) before any of it is handed on, so a file that fails here is
+    dead-lettered as a whole, never half trained on."""
+    import pyarrow.parquet as pq
+
+    schema = plan.arrow_schema
+    assert schema is not None
+    by_file: dict[str, list[tuple[int, int, int]]] = {}
+    for path, rg, lo, hi in share:
+        by_file.setdefault(path, []).append((rg, lo, hi))
+    for path, pieces in by_file.items():
+        try:
+            fs, p = _filesystem(path)
+            with fs.open_input_file(p) as f:
+                pf = pq.ParquetFile(f)
+                problem = _schema_problem(pf.schema_arrow, schema)
+                if problem:
+                    raise ValueError(problem)
+                wanted = {n.lower() for n in schema.names}
+                columns = [n for n in pf.schema_arrow.names if n.lower() in wanted]
+                tables = [
+                    _conform(pf.read_row_group(rg, columns=columns).slice(lo, hi - lo), schema)
+                    for rg, lo, hi in pieces
+                ]
+        except Exception as ex:
+            groups = sorted({rg for rg, _, _ in pieces})
+            bad.append({"path": path, "reason": f"row groups {groups}: {type(ex).__name__}: {ex}"})
+            continue
+        for table in tables:
+            yield from table.to_batches(max_chunksize=plan.batch_rows)
+
+
+def _files_newer_than(path: str, options: Mapping[str, str], newest: float) -> int:
+    """Data files under the source ``path`` modified after ``newest`` (seconds; the
+    file source hands files out oldest first, so these are the ones still waiting).
+    Hidden files (``.`` or ``_``) do not count, as for Spark's file source."""
+    import pyarrow.fs as pafs
+
+    recursive = str(options.get("recursiveFileLookup", "false")).lower() == "true"
+    fs, base = _filesystem(path)
+    infos = fs.get_file_info(pafs.FileSelector(base, recursive=recursive, allow_not_found=True))
+    cutoff = int(newest * 1000)  # Spark's modification times are in milliseconds
+    return sum(
+        1
+        for i in infos
+        if i.type == pafs.FileType.File
+        and not i.base_name.startswith((".", "_"))
+        and i.mtime_ns is not None
+        and i.mtime_ns // 1_000_000 > cutoff
+    )
+
+
+def _parquet_source(df: Any) -> tuple[str, dict[str, str], Any] | None:
+    """(path, options, Spark schema) when ``df`` is a Parquet file source as it came from
+    ``spark.readStream`` (nothing applied on top); None for anything else."""
+    try:
+        plan = df._jdf.queryExecution().logical()
+        if plan.getClass().getSimpleName() != "StreamingRelation":
+            return None
+        source = plan.dataSource()
+        if not source.className().lower().endswith(("parquet", "parquetfileformat")):
+            return None
+        options: dict[str, str] = {}
+        it = source.options().iterator()
+        while it.hasNext():
+            kv = it.next()
+            options[str(kv._1())] = str(kv._2())
+    except Exception:  # not the JVM plan we know: Spark reads it
+        return None
+    path = next((v for k, v in options.items() if k.lower() == "path"), None)
+    if path is None:
+        return None
+    return path, options, df.schema
+
+
 class OnlineIteration:
     """A running online iteration: a Structured Streaming query plus its coordinator.
 
-    ``stop()``, ``await_termination(timeout)``, ``latest_variables()``, ``progress``,
-    ``outputs`` (the newest output records), ``outputs_stream()`` (a streaming DataFrame
-    over ``output_path``). A context manager: leaving the block stops it.
+    ``stop()`` (drains the micro-batch in progress), ``await_termination(timeout)``,
+    ``latest_variables()``, ``progress``, ``outputs`` (the newest output records),
+    ``outputs_stream()`` (a streaming DataFrame over ``output_path``). A context manager:
+    leaving the block stops it. Runs on the driver.
     """
 
     def __init__(
-        self, query: Any, actor: Any, spark: Any, config: OnlineConfig, buffer: deque
+        self,
+        query: Any,
+        actor: Any,
+        spark: Any,
+        config: OnlineConfig,
+        buffer: deque,
+        lock: threading.Lock,
+        stopping: threading.Event,
+        lost_batches: tuple[int, ...] = (),
+        files_waiting: Callable[[], int | None] | None = None,
     ) -> None:
         self.query = query
         self._actor = actor
         self._spark = spark
         self._config = config
         self._buffer = buffer
+        self._lock = lock
+        self._stopping = stopping
         self._stopped = False
+        self._final: dict[str, Any] | None = None
+        self.lost_batches = tuple(lost_batches)
+        self._files_waiting = files_waiting
+        self._lag: tuple[float, int | None] = (-1.0, None)  # (when, value): listing is not free
+        self._logger: threading.Thread | None = None
+        if config.log_every_seconds is not None:
+            self._logger = threading.Thread(
+                target=self._log_loop, name="hybrid_iter-online-status", daemon=True
+            )
+            self._logger.start()
 
     def latest_variables(self) -> dict[str, Any]:
         """The newest published variables."""
@@ -288,9 +629,11 @@ class OnlineIteration:
 
     @property
     def progress(self) -> OnlineProgress:
+        """Where the iteration is (after ``stop()``: where it stopped)."""
         import ray
 
-        s = ray.get(self._actor.online_state.remote())
+        s = self._final if self._final is not None else ray.get(self._actor.online_state.remote())
+        now = time.time()
         return OnlineProgress(
             batches=s["batches"],
             rows=s["rows"],
@@ -300,7 +643,49 @@ class OnlineIteration:
             version=s["version"],
             last_batch_id=s["committed"],
             last_commit=s["last_commit"],
+            dead_files=s["dead_files"],
+            batches_per_s=s["batches_per_s"],
+            rows_per_s=s["rows_per_s"],
+            lag_files=self._lag_files(),
+            last_checkpoint_age_s=(
+                now - s["last_checkpoint"] if s["last_checkpoint"] is not None else None
+            ),
+            lost_batches=self.lost_batches,
         )
+
+    def _lag_files(self) -> int | None:
+        """Files waiting in the source: Spark's ``numFilesOutstanding`` when the source
+        reports it, else (a Parquet source we read) the files newer than the newest one
+        trained on, listed at most once a second; None for other sources."""
+        try:
+            last = self.query.lastProgress
+        except Exception:
+            last = None
+        total = None
+        for source in (last or {}).get("sources", []):
+            n = (source.get("metrics") or {}).get("numFilesOutstanding")
+            if n is not None:
+                total = (total or 0) + int(n)
+        if total is not None or self._files_waiting is None:
+            return total
+        when, value = self._lag
+        if time.monotonic() - when >= 1.0:
+            try:
+                value = self._files_waiting()
+            except Exception as ex:  # a status figure must never take the job down
+                log.debug("could not list the source directory: %s", ex)
+                value = None
+            self._lag = (time.monotonic(), value)
+        return value
+
+    def _log_loop(self) -> None:
+        interval = float(self._config.log_every_seconds or 60.0)
+        label = self._config.name or "online"
+        while not self._stopping.wait(interval):
+            try:
+                log.info("online iteration %s: %s", label, self.progress.status_line())
+            except Exception as ex:  # the status line must never take the job down
+                log.debug("online status line unavailable: %s", ex)
 
     @property
     def outputs(self) -> list[OutputRecord]:
@@ -321,22 +706,35 @@ class OnlineIteration:
         return bool(self.query.awaitTermination(timeout))
 
     def exception(self) -> Any:
-        return self.query.exception()
+        ex = self.query.exception()
+        if ex is not None and self._stopped and _STOPPING in str(ex):
+            return None  # a micro-batch refused to start because stop() was draining
+        return ex
 
     def stop(self) -> None:
-        """Stop the query, then the coordinator (its state is persisted at every commit)."""
+        """Drain the micro-batch in progress (it commits, with its checkpoint), stop the
+        query, then the coordinator. A micro-batch that would start meanwhile is refused
+        before it reads anything (Spark runs it again after a restart)."""
         if self._stopped:
             return
         self._stopped = True
-        try:
-            self.query.stop()
-        finally:
-            import ray
+        self._stopping.set()
+        import ray
 
+        try:
+            with self._lock:  # the batch in progress commits first
+                try:
+                    self._final = ray.get(self._actor.online_state.remote())
+                except Exception:
+                    self._final = None
+                self.query.stop()
+        finally:
             try:
                 ray.kill(self._actor, no_restart=True)
             except Exception as ex:  # pragma: no cover - best effort
                 log.warning("could not kill the online coordinator: %s", ex)
+            if self._logger is not None:
+                self._logger.join(timeout=5)
 
     def __enter__(self) -> OnlineIteration:
         return self
@@ -346,9 +744,7 @@ class OnlineIteration:
 
 
 def _write_outputs(path: str, batch_id: int, records: list[OutputRecord]) -> None:
-    import pyarrow.fs as pafs
-
-    fs, base = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), path)
+    fs, base = _filesystem(path)
     fs.create_dir(base, recursive=True)
     lines = "".join(
         json.dumps(
@@ -370,13 +766,70 @@ def _write_outputs(path: str, batch_id: int, records: list[OutputRecord]) -> Non
     fs.move(tmp, final)  # a replayed batch rewrites the same file
 
 
+def _spark_last_commit(location: str) -> int | None:
+    """The last batch id in Spark's commit log of the query (None: none, or unreadable)."""
+    import pyarrow.fs as pafs
+
+    try:
+        fs, base = _filesystem(location)
+        infos = fs.get_file_info(
+            pafs.FileSelector(f"{base.rstrip('/')}/commits", allow_not_found=True)
+        )
+    except Exception as ex:
+        log.warning("could not read Spark's commit log under %s: %s", location, ex)
+        return None
+    ids = [int(i.base_name) for i in infos if i.base_name.isdigit()]
+    return max(ids) if ids else None
+
+
+def _at_risk(state: dict[str, Any], spark_last: int | None) -> tuple[int, ...]:
+    """Batch ids Spark will not run again whose update the restored state lacks."""
+    committed = state["committed"]
+    restore = state.get("restore") or {}
+    if spark_last is not None:
+        return tuple(range(committed + 1, spark_last + 1))
+    # no commit log to hold against: anything newer on disk than what was restored
+    newest = restore.get("newest_on_disk", -1)
+    damaged = bool(restore.get("skipped") or restore.get("unusable"))
+    return tuple(range(committed + 1, newest + 1)) if damaged else ()
+
+
+def _checkpoint_error(
+    location: str, state: dict[str, Any], at_risk: tuple[int, ...], spark_last: int | None
+) -> OnlineCheckpointError:
+    restore = state.get("restore") or {}
+    problems = [f"{p}: {why}" for p, why in restore.get("skipped", [])]
+    problems += [f"journal of batch {b}: {why}" for b, why in restore.get("unusable", [])]
+    committed = state["committed"]
+    base = f"the state after batch {committed}" if committed >= 0 else "the initial variables"
+    ids = ", ".join(map(str, at_risk[:20])) + (" ..." if len(at_risk) > 20 else "")
+    log_note = (
+        f"Spark's commit log under {location}/commits ends at batch {spark_last}"
+        if spark_last is not None
+        else "files newer than the restored state are damaged"
+    )
+    return OnlineCheckpointError(
+        f"the online checkpoint under {location}/hybrid_iter cannot restore micro-batches "
+        f"[{ids}] ({len(at_risk)} batch(es)): {log_note}, but the newest state that could "
+        f"be restored is {base}"
+        + (f" ({'; '.join(problems)})" if problems else " (the files are missing)")
+        + ". Continuing would skip them silently. Choose: put the files back (e.g. from a "
+        "backup) and restart; or accept the loss with OnlineConfig("
+        "on_corrupt_checkpoint='reset'), which continues from "
+        + base
+        + " and reports the lost ids in progress.lost_batches; or start over with a new "
+        "checkpoint_location.",
+        at_risk,
+    )
+
+
 def iterate_unbounded_streams(
     init_variables: Mapping[str, Any],
     data_streams: ReplayableDataStreamList,
     body: IterationBody,
     config: OnlineConfig | IterationConfig | None = None,
 ) -> OnlineIteration:
-    """Start an online iteration over a streaming DataFrame; returns its handle."""
+    """Start an online iteration over a streaming DataFrame; returns its handle (driver)."""
     cfg = _online_config(config)
     if not isinstance(body, IterationBody):
         raise IterationConfigError(
@@ -401,6 +854,17 @@ def iterate_unbounded_streams(
     if stream.numeric_columns:
         stream.validate(0, streaming=True)
     spark = df.sparkSession
+    parquet = _parquet_source(df) if cfg.parquet_reader == "arrow" else None
+    arrow_schema = None
+    if parquet is not None:
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        try:
+            arrow_schema = to_arrow_schema(parquet[2])
+            _filesystem(parquet[0])  # a filesystem pyarrow cannot open: Spark reads
+        except Exception as ex:
+            log.warning("the Parquet source %s is read by Spark (%s)", parquet[0], ex)
+            parquet = None
 
     from ._iterate import _fingerprint, _ray_address
 
@@ -411,12 +875,13 @@ def iterate_unbounded_streams(
     name = f"hybrid_iter.online.{cfg.name or 'iteration'}.{uuid.uuid4().hex[:12]}"
     checkpoint = None
     dead_letter_path = cfg.dead_letter_path
+    location = None
     if cfg.checkpoint_location is not None:
         location = cfg.checkpoint_location.rstrip("/")
         checkpoint = CheckpointSpec(
             uri=f"{location}/hybrid_iter",
             every_epochs=1,
-            keep_last=2,
+            keep_last=cfg.keep_last,
             fingerprint={**_fingerprint(body, data_streams, variables, 0), "online": True},
             restore=True,
         )
@@ -448,8 +913,28 @@ def iterate_unbounded_streams(
         raise IterationConfigError(
             f"the online coordinator could not start: {failure}"
         ) from failure
+    lost: tuple[int, ...] = ()
+    if location is not None:
+        spark_last = _spark_last_commit(location)
+        lost = _at_risk(state, spark_last)
+        if lost and cfg.on_corrupt_checkpoint == "fail":
+            ray.kill(actor)
+            raise _checkpoint_error(location, state, lost, spark_last)
+        if lost:
+            log.warning(
+                "online iteration %s: on_corrupt_checkpoint='reset': micro-batches %s are "
+                "lost (Spark committed them; the restored state is after batch %d)",
+                cfg.name or "online",
+                list(lost),
+                state["committed"],
+            )
     resumed = state["committed"] >= 0
-    where = {"committed": state["committed"], "round": state["round"]}  # of the last commit
+    where: dict[str, Any] = {
+        "committed": state["committed"],
+        "round": state["round"],
+        "redelivered": False,
+        "newest_file": None,  # modification time of the newest file trained on (lag)
+    }
     plan = _OnlinePlan(
         ray_address=address,
         namespace=NAMESPACE,
@@ -458,30 +943,70 @@ def iterate_unbounded_streams(
         staleness=cfg.staleness,
         numeric_columns=tuple(stream.numeric_columns or ()),
         dead_letter_path=dead_letter_path,
+        arrow_schema=arrow_schema,
+        batch_rows=int(spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch", "10000")),
     )
     buffer: deque = deque(maxlen=10_000)
     from ._progress import ProgressPrinter
 
     printer = ProgressPrinter(cfg.progress, label=cfg.name or "online")
     lock = threading.Lock()
+    stopping = threading.Event()
 
     def on_batch(batch_df: Any, batch_id: int) -> None:
-        with lock:
+        # never block on the lock while stop() drains: stop() holds it across query.stop(),
+        # which waits for this very call to return
+        while not lock.acquire(timeout=0.05):
+            if stopping.is_set():
+                raise RuntimeError(_STOPPING)
+        try:
+            if stopping.is_set():
+                raise RuntimeError(_STOPPING)  # not run, not committed: replayed later
             _one_batch(batch_df, int(batch_id))
+        finally:
+            lock.release()
+
+    def _deliver(batch_id: int, records: list[OutputRecord]) -> None:
+        buffer.extend(records)
+        if records and cfg.output_path is not None:
+            _write_outputs(cfg.output_path, batch_id, records)
+        if records and cfg.on_outputs is not None:
+            cfg.on_outputs(batch_id, records)
 
     def _one_batch(batch_df: Any, batch_id: int) -> None:
         if batch_id <= where["committed"]:
-            return  # Spark replays a batch whose update is already applied: exactly once
+            # Spark replays a batch whose update is already applied: exactly once. If it is
+            # the last one we committed, the driver may have died before delivering its
+            # outputs: deliver them again (the output file is rewritten in place).
+            if batch_id == where["committed"] and not where["redelivered"]:
+                where["redelivered"] = True
+                last_id, records = ray.get(actor.last_outputs.remote())
+                if last_id == batch_id:
+                    _deliver(batch_id, records)
+            return
         started = time.perf_counter()
-        frame = batch_df
-        if cfg.parallelism is not None:
-            frame = frame.repartition(cfg.parallelism)
-        # one pass: the tasks split off malformed rows, train on the rest, and report
-        fn = _partial_run(plan, batch_id, where["round"])
-        results = [pickle.loads(r[0]) for r in frame.mapInArrow(fn, "result binary").collect()]
+        bad: list[dict[str, Any]] = []
+        if parquet is not None:
+            results = _run_files(batch_df, batch_id, bad)
+        else:
+            frame = batch_df
+            if cfg.parallelism is not None:
+                frame = frame.repartition(cfg.parallelism)
+            # one pass: the tasks split off malformed rows, train on the rest, and report
+            fn = _partial_run(plan, batch_id, where["round"])
+            results = [pickle.loads(r[0]) for r in frame.mapInArrow(fn, "result binary").collect()]
         rows = sum(r["rows"] for r in results)
         dead = sum(r["dead"] for r in results)
-        commit = ray.get(actor.commit_batch.remote(batch_id, rows, dead))
+        for r in results:
+            bad.extend(r.get("bad_files", ()))
+        if bad:
+            for b in bad:
+                log.warning(
+                    "micro-batch %d: file %s rejected: %s", batch_id, b["path"], b["reason"]
+                )
+            if dead_letter_path is not None:
+                _write_bad_files(dead_letter_path, batch_id, bad)
+        commit = ray.get(actor.commit_batch.remote(batch_id, rows, dead, len(bad)))
         if commit["failure"] is not None:
             failure = commit["failure"]
             raise IterationFailedError(
@@ -489,12 +1014,7 @@ def iterate_unbounded_streams(
             ) from failure
         if commit["applied"]:
             where["committed"], where["round"] = batch_id, commit["round"]
-        records = commit["outputs"]
-        buffer.extend(records)
-        if records and cfg.output_path is not None:
-            _write_outputs(cfg.output_path, batch_id, records)
-        if records and cfg.on_outputs is not None:
-            cfg.on_outputs(batch_id, records)
+        _deliver(batch_id, commit["outputs"])
         if printer.enabled:
             s = ray.get(actor.online_state.remote())
             printer.update(
@@ -511,7 +1031,39 @@ def iterate_unbounded_streams(
         if cfg.kill_driver_after_batch == batch_id and not resumed:
             os._exit(17)  # fault injection: after our commit, before Spark's
 
-    writer = df.writeStream.foreachBatch(on_batch).queryName(name.replace(".", "_"))
+    def _run_files(batch_df: Any, batch_id: int, bad: list[dict[str, Any]]) -> list[dict]:
+        """A Parquet source's micro-batch: footers checked here, shares read by tasks."""
+        assert arrow_schema is not None
+        listed = batch_df.select("path", "modificationTime").collect()
+        paths = sorted(r[0] for r in listed)
+        files: list[tuple[str, list[int]]] = []
+        for path in paths:
+            try:
+                files.append((path, _file_row_groups(path, arrow_schema)))
+            except Exception as ex:
+                bad.append({"path": path, "reason": f"{type(ex).__name__}: {ex}"})
+        stamps = [r[1].timestamp() for r in listed if r[1] is not None]
+        if stamps:  # for the lag: files newer than this one are still waiting
+            where["newest_file"] = max(stamps)
+        tasks = cfg.parallelism or spark.sparkContext.defaultParallelism
+        shares = _assign(files, tasks) if files else []
+        if not shares:  # nothing readable: the round still closes (counts, watermark)
+            return []
+        fn = _share_run(plan, batch_id, where["round"])
+        rdd = spark.sparkContext.parallelize(shares, len(shares))
+        return [pickle.loads(b) for b in rdd.mapPartitions(fn).collect()]
+
+    writer_df = df
+    if parquet is not None:
+        path, options, _ = parquet
+        writer_df = (
+            spark.readStream.format("binaryFile")
+            .schema(_BINARY_FILE_SCHEMA)
+            .options(**{k: v for k, v in options.items() if k.lower() != "path"})
+            .load(path)
+            .select("path", "modificationTime")
+        )
+    writer = writer_df.writeStream.foreachBatch(on_batch).queryName(name.replace(".", "_"))
     if cfg.checkpoint_location is not None:
         writer = writer.option("checkpointLocation", cfg.checkpoint_location)
     if cfg.trigger:
@@ -521,7 +1073,19 @@ def iterate_unbounded_streams(
     except Exception:
         ray.kill(actor)
         raise
-    return OnlineIteration(query, actor, spark, cfg, buffer)
+    files_waiting = None
+    if parquet is not None:
+        source_path, source_options = parquet[0], parquet[1]
+
+        def files_waiting() -> int | None:
+            newest = where.get("newest_file")
+            if newest is None:
+                return None
+            return _files_newer_than(source_path, source_options, newest)
+
+    return OnlineIteration(
+        query, actor, spark, cfg, buffer, lock, stopping, lost, files_waiting=files_waiting
+    )
 
 
 def _partial_run(
@@ -529,6 +1093,21 @@ def _partial_run(
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         return _run_partition(plan, batch_id, round_, batches)
+
+    return run
+
+
+def _share_run(
+    plan: _OnlinePlan, batch_id: int, round_: int
+) -> Callable[[Iterator[list[tuple[str, int, int, int]]]], Iterator[bytes]]:
+    """The task function of a Parquet micro-batch: one share per RDD partition."""
+
+    def run(shares: Iterator[list[tuple[str, int, int, int]]]) -> Iterator[bytes]:
+        share = [piece for s in shares for piece in s]
+        bad: list[dict[str, Any]] = []
+        batches = _read_share(plan, share, bad)
+        for out in _run_partition(plan, batch_id, round_, batches, bad):
+            yield out.column(0)[0].as_py()
 
     return run
 

@@ -1,5 +1,8 @@
 """An online iteration in its own process (so test_online.py can kill its driver):
-``python online_job.py INPUT_DIR CHECKPOINT_DIR [KILL_AFTER_BATCH]``."""
+``python online_job.py INPUT_DIR CHECKPOINT_DIR [KILL_AFTER_BATCH]``. Prints
+``COMMITTED <batch id>`` after every committed batch (a test may SIGKILL it from there)
+and ``RESULT {...}`` at the end: the row count and column sums the coordinator trained on
+(exactly once means they equal the files')."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import json
 import sys
 
 import numpy as np
-from online_ops import SCHEMA, Grad, Step
+from online_ops import SCHEMA, Sums, Total
 
 import hybrid_iter as hi
 
@@ -18,19 +21,21 @@ def main(input_dir: str, checkpoint: str, kill_after: int | None) -> int:
             session.spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).csv(input_dir)
         )
         it = hi.iterate_unbounded_streams(
-            {"w": np.zeros(3)},
+            {"total": np.zeros(5)},
             hi.ReplayableDataStreamList.not_replay(stream),
-            hi.IterationBody(Grad(), Step()),
+            hi.IterationBody(Sums(), Total()),
             hi.OnlineConfig(
                 checkpoint_location=checkpoint,
                 trigger={"availableNow": True},
                 kill_driver_after_batch=kill_after,
+                on_outputs=lambda batch_id, _: print(f"COMMITTED {batch_id}", flush=True),
             ),
         )
         it.await_termination()
         result = {
-            "w_hex": it.latest_variables()["w"].tobytes().hex(),
+            "total_hex": it.latest_variables()["total"].tobytes().hex(),
             "batches": it.progress.batches,
+            "rows": it.progress.rows,
         }
         it.stop()
     print("RESULT " + json.dumps(result), flush=True)

@@ -6,11 +6,25 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from online_ops import SCHEMA, W_TRUE, Grad, Step, reference, write_file
+import ray
+from online_ops import (
+    SCHEMA,
+    W_TRUE,
+    Grad,
+    Step,
+    Sums,
+    Total,
+    reference,
+    totals,
+    write_bad_file,
+    write_file,
+    write_parquet_file,
+)
 
 import hybrid_iter as hi
 
@@ -30,11 +44,23 @@ def start(spark, input_dir, body=None, *, numeric=True, **config):
     )
 
 
-def run_to_end(spark, input_dir, **config):
-    with start(spark, input_dir, **config) as it:
+def start_parquet(spark, input_dir, body=None, init=None, **config):
+    stream = spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).parquet(str(input_dir))
+    config.setdefault("trigger", {"availableNow": True})
+    return hi.iterate_unbounded_streams(
+        init or {"w": np.zeros(3)},
+        hi.ReplayableDataStreamList.not_replay(hi.DataStream(stream, FEATURES)),
+        body or hi.IterationBody(Grad(), Step()),
+        hi.OnlineConfig(**config),
+    )
+
+
+def run_to_end(spark, input_dir, parquet=False, **config):
+    with (start_parquet if parquet else start)(spark, input_dir, **config) as it:
         it.await_termination(300)
         assert it.exception() is None, it.exception()
-        return it.latest_variables()["w"], it.progress, it.outputs
+        variables = it.latest_variables()
+        return variables.get("w", variables.get("total")), it.progress, it.outputs
 
 
 def test_sync_online_equals_numpy_per_batch_updates(spark, tmp_path):
@@ -71,12 +97,16 @@ def test_stopping_and_restarting_the_query_applies_every_batch_once(spark, tmp_p
     assert p3.batches == 6 and w3.tobytes() == w2.tobytes()
 
 
-def test_a_driver_killed_between_our_commit_and_sparks_replays_the_batch_once(tmp_path):
-    """The driver dies right after the coordinator committed batch 2 and before Spark
-    recorded it: on restart Spark runs batch 2 again; its update must not apply twice."""
+def test_a_driver_killed_by_the_hook_and_by_sigkill_applies_every_batch_once(tmp_path):
+    """Run 1: the driver dies right after the coordinator committed batch 2 and before
+    Spark recorded it (the hook); on restart Spark runs batch 2 again and its update must
+    not apply twice. Run 2: the driver gets SIGKILL from outside once batch 4 has
+    committed, wherever it is then. Run 3 finishes: every row applied exactly once."""
+    import signal
+
     data, ckpt = tmp_path / "in", tmp_path / "ckpt"
     data.mkdir()
-    batches = [write_file(data, i) for i in range(5)]
+    batches = [write_file(data, i) for i in range(9)]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
@@ -87,16 +117,35 @@ def test_a_driver_killed_between_our_commit_and_sparks_replays_the_batch_once(tm
     )
     assert killed.returncode == 17, killed.stderr[-3000:]  # the injected exit
     assert not (ckpt / "commits" / "2").exists()  # Spark never committed batch 2
+    proc = subprocess.Popen(
+        job,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        for line in proc.stdout:
+            if line.startswith("COMMITTED ") and int(line.split()[1]) >= 4:
+                os.kill(proc.pid, signal.SIGKILL)  # the driver only, from outside
+                break
+        assert proc.wait(timeout=120) == -signal.SIGKILL
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # what the dead driver had started
+        except ProcessLookupError:
+            pass
     resumed = subprocess.run(
         job, env=env, capture_output=True, text=True, timeout=300, start_new_session=True
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     out = json.loads(next(x for x in resumed.stdout.splitlines() if x.startswith("RESULT "))[7:])
-    assert out["batches"] == 5
-    expected = reference(batches)
-    assert np.frombuffer(bytes.fromhex(out["w_hex"])).tolist() == pytest.approx(
-        expected.tolist(), abs=1e-12
-    )
+    assert out["rows"] == 1800
+    # every row once (a kill while Spark plans a batch may merge two files into one batch)
+    total = np.frombuffer(bytes.fromhex(out["total_hex"]))
+    assert total[0] == 1800
+    np.testing.assert_allclose(total, totals(batches), rtol=0, atol=1e-9)
 
 
 def test_malformed_records_go_to_the_dead_letter_path(spark, tmp_path):
@@ -172,3 +221,136 @@ def test_online_config_arguments():
         hi.OnlineConfig(trigger="fast")  # type: ignore[arg-type]
     with pytest.raises(hi.IterationConfigError, match="on_outputs"):
         hi.OnlineConfig(on_outputs=3)  # type: ignore[arg-type]
+
+
+# -- issue 16: bad files, corrupt checkpoints, bounded state, stop, SIGKILL ----------------
+
+
+def _hybrid_files(ckpt):
+    return sorted(p.name for p in (ckpt / "hybrid_iter").iterdir())
+
+
+def test_bad_parquet_files_are_dead_lettered_and_the_stream_goes_on(spark, tmp_path):
+    """A file that is not Parquet and one whose column has the wrong type go to the
+    dead-letter path with their path, reason and batch id; the good files train the same
+    model as numpy; a restart does not trip on them again."""
+    data, ckpt = tmp_path / "in", tmp_path / "ckpt"
+    data.mkdir()
+    good = {0: write_parquet_file(data, 0), 1: write_parquet_file(data, 1, null_rows=3)}
+    text = write_bad_file(data, 2, "text")
+    typed = write_bad_file(data, 3, "type")
+    good[4] = write_parquet_file(data, 4)
+    w, progress, _ = run_to_end(spark, data, parquet=True, checkpoint_location=str(ckpt))
+    np.testing.assert_allclose(w, reference([good[i] for i in (0, 1, 4)]), rtol=0, atol=1e-12)
+    assert (progress.batches, progress.rows) == (5, 600)
+    assert (progress.dead_letters, progress.dead_files) == (3, 2)
+    bad = ckpt / "dead_letter" / "_bad_files"
+    records = {
+        b: [json.loads(x) for x in (bad / f"batch_id={b}.json").read_text().splitlines()]
+        for b in (2, 3)
+    }
+    assert records[2][0]["path"].endswith(os.path.basename(text))
+    assert records[2][0]["batch_id"] == 2 and "Parquet" in records[2][0]["reason"]
+    assert records[3][0]["path"].endswith(os.path.basename(typed))
+    assert "'x0' is string" in records[3][0]["reason"]
+    import pyarrow.parquet as pq
+
+    assert len(pq.read_table(ckpt / "dead_letter" / "batch_id=1")) == 3  # malformed rows
+    # a restart finds nothing new and does not stumble over the bad files
+    w2, p2, _ = run_to_end(spark, data, parquet=True, checkpoint_location=str(ckpt))
+    assert p2.batches == 5 and w2.tobytes() == w.tobytes()
+
+
+def _corrupt(path):
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    path.write_bytes(bytes(blob))
+
+
+def test_a_corrupt_newest_checkpoint_is_replayed_from_the_journal(spark, tmp_path):
+    """The newest snapshot is corrupted between two runs: the restart restores the one
+    before and the batch's journal record, so every batch is applied exactly once and
+    the counters (rows, dead letters) are exact."""
+    data, ckpt = tmp_path / "in", tmp_path / "ckpt"
+    data.mkdir()
+    batches = [write_file(data, i, extra_lines="1,,2,3\n" if i == 2 else "") for i in range(3)]
+    run_to_end(spark, data, checkpoint_location=str(ckpt))
+    _corrupt(ckpt / "hybrid_iter" / "chk-0000000002.ckpt")
+    batches += [write_file(data, i) for i in (3, 4)]
+    w, progress, _ = run_to_end(spark, data, checkpoint_location=str(ckpt))
+    np.testing.assert_allclose(w, reference(batches), rtol=0, atol=1e-12)
+    assert (progress.batches, progress.rows, progress.dead_letters) == (5, 1000, 1)
+    assert progress.lost_batches == ()
+
+
+def test_a_lost_batch_fails_loudly_unless_reset_is_chosen(spark, tmp_path):
+    """Snapshot and journal of the newest batch both corrupt: Spark has committed batch
+    2, nothing can restore it. The restart stops with an error naming batch 2 and the
+    choices; ``on_corrupt_checkpoint="reset"`` continues without it, and says so."""
+    data, ckpt = tmp_path / "in", tmp_path / "ckpt"
+    data.mkdir()
+    batches = [write_file(data, i) for i in range(3)]
+    run_to_end(spark, data, checkpoint_location=str(ckpt))
+    _corrupt(ckpt / "hybrid_iter" / "chk-0000000002.ckpt")
+    _corrupt(ckpt / "hybrid_iter" / "jrn-000000000002.ckpt")
+    batches.append(write_file(data, 3))
+    with pytest.raises(hi.OnlineCheckpointError, match=r"micro-batches \[2\]") as err:
+        start(spark, data, checkpoint_location=str(ckpt))
+    assert err.value.at_risk == (2,)
+    assert "on_corrupt_checkpoint='reset'" in str(err.value) and "chk-0000000002" in str(err.value)
+    w, progress, _ = run_to_end(
+        spark, data, checkpoint_location=str(ckpt), on_corrupt_checkpoint="reset"
+    )
+    assert progress.lost_batches == (2,)
+    assert (progress.batches, progress.last_batch_id, progress.rows) == (3, 3, 600)
+    np.testing.assert_allclose(w, reference([batches[i] for i in (0, 1, 3)]), rtol=0, atol=1e-12)
+
+
+def test_state_stays_bounded_and_stop_drains(spark, tmp_path):
+    """A short soak: two runs of a processing-time query stopped while running. Files
+    under the checkpoint's hybrid_iter directory stay at 2 * keep_last however many
+    batches pass, the coordinator holds no delivered output, stop() leaves a state from
+    which every row is applied exactly once (row count and column sums: a stop while
+    Spark plans a batch may make it put two files in one later batch), and progress
+    reports rates, lag and checkpoint age."""
+    data, ckpt = tmp_path / "in", tmp_path / "ckpt"
+    data.mkdir()
+    batches = [write_parquet_file(data, i, rows=20) for i in range(16)]
+    sums = {
+        "body": hi.IterationBody(Sums(), Total()),
+        "init": {"total": np.zeros(5)},
+        "checkpoint_location": str(ckpt),
+    }
+    counts = []
+    for target in (6, 12):
+        it = start_parquet(spark, data, trigger={"processingTime": "10 milliseconds"}, **sums)
+        deadline = time.monotonic() + 240
+        while it.progress.batches < target and time.monotonic() < deadline:
+            assert it.exception() is None, it.exception()
+            time.sleep(0.05)  # polling a condition, with a deadline as the safety net
+        state = ray.get(it._actor.online_state.remote())
+        it.stop()
+        assert state["held_outputs"] == 0
+        progress = it.progress  # still answers after stop()
+        assert progress.batches >= target
+        assert progress.batches_per_s > 0 and progress.rows_per_s > 0
+        assert progress.last_checkpoint_age_s is not None
+        assert progress.lag_files == 16 - progress.rows // 20  # files not yet trained on
+        assert "batches" in progress.status_line() and "lag" in progress.status_line()
+        counts.append(len(_hybrid_files(ckpt)))
+    assert counts[0] <= 4 and counts[1] <= 4, _hybrid_files(ckpt)
+    total, progress, _ = run_to_end(spark, data, parquet=True, **sums)
+    assert progress.rows == 320 and total[0] == 320
+    np.testing.assert_allclose(total, totals(batches), rtol=0, atol=1e-9)
+    assert len(_hybrid_files(ckpt)) <= 4
+
+
+def test_online_config_issue16_arguments():
+    with pytest.raises(hi.IterationConfigError, match="on_corrupt_checkpoint"):
+        hi.OnlineConfig(on_corrupt_checkpoint="ignore")
+    with pytest.raises(hi.IterationConfigError, match="parquet_reader"):
+        hi.OnlineConfig(parquet_reader="pandas")
+    with pytest.raises(hi.IterationConfigError, match="keep_last"):
+        hi.OnlineConfig(keep_last=1)
+    with pytest.raises(hi.IterationConfigError, match="log_every_seconds"):
+        hi.OnlineConfig(log_every_seconds=0)
