@@ -207,6 +207,9 @@ class Model:
     def load(cls, path: str) -> Model:
         """Read a model saved by ``save`` (any model class when called on ``Model``)."""
         name, params, arrays = read_model(path)
+        if name not in Model._registry:  # the linear models register when first imported
+            from . import linear  # noqa: F401
+
         klass = Model._registry.get(name)
         if klass is None or (cls is not Model and not issubclass(klass, cls)):
             raise ValueError(f"{path!r} holds a {name}, not a {cls.__name__}")
