@@ -66,14 +66,33 @@ REGS = [
 ]
 
 
+def _objective(X, y, w, b, kw, *, logistic):
+    """MLlib's objective on the original scale (sample standard deviations)."""
+    z = X @ w + b
+    loss = np.mean(np.logaddexp(0, z) - y * z) if logistic else 0.5 * np.mean((z - y) ** 2)
+    reg, a = kw.get("reg", 0.0), kw.get("elastic_net", 0.0)
+    s = X.std(axis=0, ddof=1) if kw.get("standardization", True) else 1.0
+    sw = s * w
+    return float(loss + reg * ((1 - a) / 2 * sw @ sw + a * np.abs(sw).sum()))
+
+
 def test_logistic_coefficients_equal_mllibs_for_every_regularisation(scaled):
     from pyspark.ml.classification import LogisticRegression as MLlibLR
 
-    df, *_ = scaled
+    df, X, label, *_ = scaled
     for kw in REGS:
         ours = ml.LogisticRegression(features_col=COLS, tol=1e-10, max_iter=300, **kw).fit(df)
         ref = MLlibLR(tol=1e-12, maxIter=500, **_mllib_kw(kw)).fit(df)
         w = ref.coefficients.toArray()
+        mine = _objective(X, label, ours.coefficients, ours.intercept, kw, logistic=True)
+        theirs = _objective(X, label, w, ref.intercept, kw, logistic=True)
+        assert mine <= theirs * (1 + 1e-10), kw  # never a worse optimum than MLlib's
+        if theirs > mine * (1 + 1e-9):
+            # MLlib's L-BFGS gave up ("Line search failed") short of the optimum: seen
+            # with standardization=False on features at 1e4; ours is strictly better
+            assert not kw.get("standardization", True), kw
+            assert _rel(ours.coefficients, w) <= 1e-2, kw
+            continue
         assert _rel(ours.coefficients, w) <= 1e-4, kw
         assert ours.intercept == pytest.approx(ref.intercept, rel=1e-4, abs=1e-6), kw
         if kw.get("elastic_net") == 1.0:  # OWL-QN: the same exact zeros
@@ -88,8 +107,10 @@ def test_linear_regression_equals_mllib_by_normal_equations_and_by_lbfgs(scaled)
     from pyspark.ml.regression import LinearRegression as MLlibLinReg
 
     df, *_ = scaled
-    for kw in REGS:
+    for i, kw in enumerate(REGS):
         for solver, mllib_solver in (("auto", "normal"), ("l-bfgs", "l-bfgs")):
+            if solver == "l-bfgs" and i not in (1, 4):  # the iterative path: L2 and L1
+                continue
             ours = ml.LinearRegression(
                 features_col="features", label_col="y", solver=solver, tol=1e-12, max_iter=500, **kw
             ).fit(df)

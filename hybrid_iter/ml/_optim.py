@@ -20,7 +20,10 @@ in a fit, one epoch of the same barrier stage. A curvature pair with ``s.y <= 0`
 not stored (the inverse Hessian estimate stays positive definite).
 
 Convergence (MLlib's ``tol``): the relative change of the objective in one iteration,
-``|F_prev - F| <= tol * max(|F|, |F_prev|)``, or a zero projected gradient. Stopping at
+``|F_prev - F| <= tol * max(|F|, |F_prev|)``, confirmed by a small gradient,
+``||pg|| <= 10 * tol * |F|`` (Breeze, under MLlib, also stops on a small gradient; on
+ill-conditioned real data a single small step alone stops 1e-5 short of the optimum), or
+a change below ``tol / 1000`` (rounding stops progress), or a zero projected gradient. Stopping at
 ``max_iter`` iterations, or when no step lowers ``F`` (rounding: the optimum is reached
 to machine precision), is not convergence unless the rule above holds.
 """
@@ -35,6 +38,8 @@ __all__ = ["LBFGS"]
 
 _C1 = 1e-4
 _MAX_TRIALS = 30
+#: convergence also needs ||pseudo-gradient|| <= GRADIENT_FACTOR * tol * |F|
+GRADIENT_FACTOR = 10.0
 
 
 class LBFGS:
@@ -201,9 +206,17 @@ class LBFGS:
         if not pg.any():
             self._finish(True, "the gradient is zero")
             return
-        if not first and abs(prev - F) <= self.tol * max(abs(F), abs(prev)):
-            self._finish(True, f"relative change of the objective <= tol ({self.tol:g})")
-            return
+        if not first:
+            change = abs(prev - F) / max(abs(F), abs(prev), 1e-300)
+            gnorm = float(np.linalg.norm(pg))
+            # a small step on an ill-conditioned problem is not the optimum yet: the
+            # gradient must be small too (else the objective can be 1e-5 off)
+            if change <= self.tol and gnorm <= GRADIENT_FACTOR * self.tol * max(abs(F), 1e-8):
+                self._finish(True, f"relative change of the objective <= tol ({self.tol:g})")
+                return
+            if change <= 1e-3 * self.tol:  # stagnation: rounding limits further progress
+                self._finish(True, f"relative change of the objective <= tol ({self.tol:g})")
+                return
         if self.iterations >= self.max_iter:
             self._finish(False, f"max_iter ({self.max_iter}) iterations")
             return
