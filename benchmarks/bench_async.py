@@ -114,14 +114,18 @@ def main() -> None:
         y = table.column("label").to_numpy().astype(np.float64)
         del table
         base = ml.LogisticRegression(
-            features_col=cols, learning_rate=args.lr, parallelism=args.partitions, progress=False
+            features_col=cols,
+            learning_rate=args.lr,
+            parallelism=args.partitions,
+            progress=False,
+            solver="sgd",
         )
         times: dict[str, list[float | None]] = {"sync": []}
         epochs: dict[str, list[int]] = {"sync": []}
         targets = []
         last = {}
         for r in range(args.repeats):
-            sync = replace(base, max_iter=args.target_epochs, tol=-1.0)._fit(
+            sync = base.replace(max_iter=args.target_epochs, tol=-1.0)._fit(
                 df, straggler=straggler, trace_weights=True
             )
             scored = exact(sync.result, X, y)
@@ -133,8 +137,7 @@ def main() -> None:
             line = [f"sync {times['sync'][-1]:.2f} s (target loss {target:.5f})"]
             for mode, staleness in MODES:
                 name = label(mode, staleness)
-                est = replace(
-                    base,
+                est = base.replace(
                     mode=mode,
                     staleness=staleness,
                     # a run stops on its own estimate of the loss; it is timed on the

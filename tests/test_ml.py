@@ -129,7 +129,12 @@ def numpy_gd(X, y, *, logistic, lr, iters, reg=0.0, en=0.0, intercept=True, sw=N
 def test_logistic_sync_full_batch_equals_the_numpy_loop(data):
     df, X, label, *_ = data
     model = ml.LogisticRegression(
-        features_col=FEATURES, max_iter=25, learning_rate=0.8, reg=0.05, elastic_net=0.3
+        features_col=FEATURES,
+        max_iter=25,
+        learning_rate=0.8,
+        reg=0.05,
+        elastic_net=0.3,
+        solver="sgd",
     ).fit(df)
     w, b, losses = numpy_gd(X, label, logistic=True, lr=0.8, iters=25, reg=0.05, en=0.3)
     np.testing.assert_allclose(model.coefficients, w, rtol=1e-9, atol=1e-12)
@@ -145,7 +150,12 @@ def test_weighted_linear_regression_equals_the_numpy_loop_for_every_input_kind(d
     w, b, _ = numpy_gd(X, y, logistic=False, lr=0.3, iters=15, sw=weight)
     for features in (FEATURES, "features", "sparse", "arr"):
         model = ml.LinearRegression(
-            features_col=features, label_col="y", weight_col="w", max_iter=15, learning_rate=0.3
+            features_col=features,
+            label_col="y",
+            weight_col="w",
+            max_iter=15,
+            learning_rate=0.3,
+            solver="sgd",
         ).fit(df)
         np.testing.assert_allclose(model.coefficients, w, rtol=1e-9, err_msg=str(features))
         assert model.intercept == pytest.approx(b, rel=1e-9)
@@ -155,7 +165,7 @@ def test_accuracy_and_coefficients_close_to_mllib(spark, data):
     from pyspark.ml.classification import LogisticRegression as MLlibLR
 
     df, X, label, *_ = data
-    ours = ml.LogisticRegression(max_iter=300, learning_rate=2.0, tol=0.0).fit(df)
+    ours = ml.LogisticRegression(max_iter=300, learning_rate=2.0, tol=0.0, solver="sgd").fit(df)
     ref = MLlibLR(featuresCol="features", labelCol="label", regParam=0.0, maxIter=100).fit(df)
     np.testing.assert_allclose(ours.coefficients, ref.coefficients.toArray(), atol=0.02)
     assert ours.intercept == pytest.approx(ref.intercept, abs=0.02)
@@ -182,10 +192,22 @@ def test_elastic_net_zeros_coefficients_exactly_and_matches_mllib(spark):
     rows = [(*map(float, X[i]), float(y[i])) for i in range(600)]
     df = spark.createDataFrame(spark.sparkContext.parallelize(rows, 2), [*cols, "y"]).cache()
     lasso = ml.LinearRegression(
-        features_col=cols, label_col="y", reg=0.2, elastic_net=1.0, max_iter=300, learning_rate=0.5
+        features_col=cols,
+        label_col="y",
+        reg=0.2,
+        elastic_net=1.0,
+        max_iter=300,
+        learning_rate=0.5,
+        solver="sgd",
     ).fit(df)
     ridge = ml.LinearRegression(
-        features_col=cols, label_col="y", reg=0.2, elastic_net=0.0, max_iter=50, learning_rate=0.5
+        features_col=cols,
+        label_col="y",
+        reg=0.2,
+        elastic_net=0.0,
+        max_iter=50,
+        learning_rate=0.5,
+        solver="sgd",
     ).fit(df)
     assert (lasso.coefficients[3:] == 0.0).all() and (lasso.coefficients[:3] != 0).all()
     assert (ridge.coefficients != 0).all()
@@ -204,15 +226,15 @@ def test_elastic_net_zeros_coefficients_exactly_and_matches_mllib(spark):
 
 def test_mini_batch_sync_is_deterministic_and_async_ssp_converge(data):
     df, X, label, *_ = data
-    kw = {"max_iter": 60, "learning_rate": 1.0, "global_batch_size": 64, "seed": 3}
+    kw = {"max_iter": 60, "learning_rate": 1.0, "global_batch_size": 64, "seed": 3, "solver": "sgd"}
     a = ml.LogisticRegression(**kw).fit(df)
     b = ml.LogisticRegression(**kw).fit(df)
     assert np.array_equal(a.coefficients, b.coefficients)
     assert a.result.epochs == 60
-    full = ml.LogisticRegression(max_iter=150, learning_rate=2.0).fit(df)
+    full = ml.LogisticRegression(max_iter=150, learning_rate=2.0, solver="sgd").fit(df)
     for mode, staleness in (("async", None), ("ssp", 1)):
         m = ml.LogisticRegression(
-            max_iter=150, learning_rate=1.0, mode=mode, staleness=staleness
+            max_iter=150, learning_rate=1.0, mode=mode, staleness=staleness, solver="sgd"
         ).fit(df)
         assert m.result.mode == mode
         assert sum(m.result.feedback_counts.values()) >= 300  # every update was applied
@@ -227,12 +249,12 @@ def test_transform_keeps_the_schema_and_save_load_round_trips(spark, data, tmp_p
     from pyspark.ml.linalg import VectorUDT
 
     df, X, label, *_ = data
-    model = ml.LogisticRegression(max_iter=40, learning_rate=1.0).fit(df)
+    model = ml.LogisticRegression().fit(df)
     out = model.transform(df)
-    assert out.columns == [*df.columns, "raw_prediction", "probability", "prediction"]
-    for name in ("features", "sparse", "raw_prediction", "probability"):
+    assert out.columns == [*df.columns, "rawPrediction", "probability", "prediction"]
+    for name in ("features", "sparse", "rawPrediction", "probability"):
         assert isinstance(out.schema[name].dataType, VectorUDT)
-    rows = out.select("probability", "prediction", "raw_prediction").collect()
+    rows = out.select("probability", "prediction", "rawPrediction").collect()
     p = np.array([r.probability[1] for r in rows])
     np.testing.assert_allclose(p, model.predict_numpy(X), rtol=1e-9)
     assert np.array_equal([r.prediction for r in rows], (p > 0.5).astype(float))
@@ -261,9 +283,7 @@ def test_wide_models_transform_through_a_pandas_udf(data, monkeypatch):
     from hybrid_iter.ml import linear
 
     df, X, _, y, _ = data
-    model = ml.LinearRegression(
-        features_col="arr", label_col="y", max_iter=30, learning_rate=0.5
-    ).fit(df)
+    model = ml.LinearRegression(features_col="arr", label_col="y", solver="l-bfgs").fit(df)
     sql = [r.prediction for r in model.transform(df).select("prediction").collect()]
     monkeypatch.setattr(linear, "SQL_MAX_FEATURES", 2)
     udf = [r.prediction for r in model.transform(df).select("prediction").collect()]
@@ -455,14 +475,14 @@ def test_bad_data_is_reported_clearly(spark, data):
     df, *_ = data
     from pyspark.sql import functions as F
 
-    with pytest.raises(hi.DataValidationError, match="labels 0 or 1"):
+    with pytest.raises(hi.DataValidationError, match="needs class indices"):
         ml.LogisticRegression(features_col=FEATURES, label_col="y", max_iter=2).fit(df)
     nulls = df.withColumn("label", F.when(F.col("x0") > 1, None).otherwise(F.col("label")))
     with pytest.raises(hi.DataValidationError, match=r"'label' has .* null"):
         ml.LogisticRegression(features_col=FEATURES, max_iter=2).fit(nulls)
     with pytest.raises(hi.IterationFailedError, match="lower learning_rate") as info:
         ml.LinearRegression(
-            features_col=FEATURES, label_col="y", learning_rate=50.0, max_iter=200
+            features_col=FEATURES, label_col="y", learning_rate=50.0, max_iter=200, solver="sgd"
         ).fit(df)
     assert isinstance(info.value.failures["coordinator"].cause, FloatingPointError)
 

@@ -31,7 +31,13 @@ def _frame(spark, n=400):
 def train_two(session, rows: int = 400):
     """A CLI entry function: the same regression sync and async, by label."""
     df = _frame(session.spark, rows).cache()
-    kw = {"features_col": ["a", "b"], "label_col": "y", "max_iter": 15, "learning_rate": 0.3}
+    kw = {
+        "features_col": ["a", "b"],
+        "label_col": "y",
+        "max_iter": 15,
+        "learning_rate": 0.3,
+        "solver": "sgd",
+    }
     return {
         "sync": ml.LinearRegression(**kw).fit(df),
         "async": ml.LinearRegression(mode="async", **kw).fit(df),
@@ -150,9 +156,9 @@ def test_progress_reaches_the_driver_from_a_real_run(spark, monkeypatch):
             super().__init__(enabled, label=label, stream=out)
 
     monkeypatch.setattr(iterate, "ProgressPrinter", ToBuffer)
-    ml.LinearRegression(features_col=["a", "b"], label_col="y", max_iter=3, progress=True).fit(
-        _frame(spark)
-    )
+    ml.LinearRegression(
+        features_col=["a", "b"], label_col="y", max_iter=3, progress=True, solver="sgd"
+    ).fit(_frame(spark))
     last = out.getvalue().splitlines()[-1]
     assert last.startswith("[LinearRegression[sync]] epoch     3") and "done: criteria" in last
     assert "rows/s" in last

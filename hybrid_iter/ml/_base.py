@@ -207,9 +207,14 @@ class Model:
     def load(cls, path: str) -> Model:
         """Read a model saved by ``save`` (any model class when called on ``Model``)."""
         name, params, arrays = read_model(path)
+        if name not in Model._registry:  # the linear models register when first imported
+            from . import linear  # noqa: F401
+
         klass = Model._registry.get(name)
-        if klass is None or not issubclass(klass, cls):
+        if klass is None or (cls is not Model and not issubclass(klass, cls)):
             raise ValueError(f"{path!r} holds a {name}, not a {cls.__name__}")
+        if hasattr(klass, "_from_saved"):  # a pyspark.ml stage (hybrid_iter.ml.linear)
+            return klass._from_saved(params, arrays)
         return klass(params, arrays)
 
     def __repr__(self) -> str:

@@ -1,40 +1,43 @@
-"""Logistic and linear regression trained by (mini-batch) gradient descent on Spark + Ray.
+"""Logistic regression (binomial, multinomial) and linear regression: the estimators and
+models, ``pyspark.ml`` stages. Runs on the driver (``fit`` starts one iteration; the
+operators are in ``_glm`` and ``_sgd``, which run in Spark tasks and the Ray actor).
 
-Runs where the core runs them: the estimators (``fit``) and models (``transform``,
-``save``) on the driver; ``_LinearTask`` in each Spark task of the iteration's barrier
-stage (it reads its partition once into a numpy matrix and sends one packed gradient
-per epoch); ``_LinearServer`` in the Ray coordinator actor (it holds the weights and
-applies the gradients: in partition order at each epoch's alignment in sync mode, on
-arrival in async and SSP modes).
+Solvers (``solver=``):
 
-The objective is MLlib's: the mean loss over the rows (log loss, or half the squared
-error) plus ``reg * (elastic_net * ||w||_1 + (1 - elastic_net) / 2 * ||w||_2^2)``, the
-intercept not regularised. A step is ``w -= learning_rate * (gradient + L2 term)``
-followed by the L1 proximal step (soft thresholding), which makes coefficients exactly
-zero under elastic-net regularisation.
+* ``"auto"`` (default): ``LogisticRegression`` -> L-BFGS, OWL-QN when ``reg *
+  elastic_net > 0`` adds an L1 term; ``LinearRegression`` -> the normal equations (one
+  pass: ``X^T W X`` and ``X^T W y`` summed in the coordinator and solved there) when
+  there are at most 4,096 features, else L-BFGS / OWL-QN. Both with MLlib's internal
+  standardisation, objective and relative ``tol`` (``_glm``'s docstring), so the same
+  ``reg`` / ``elastic_net`` / ``standardization`` give MLlib's coefficients. Lock step
+  only (``mode="sync"``).
+* ``"l-bfgs"``, ``"normal"`` (``LinearRegression``): that solver.
+* ``"sgd"``: (mini-batch) gradient descent with ``learning_rate``,
+  ``global_batch_size``, ``mode`` sync / async / SSP -- the parameter-server path
+  (``_sgd``): no standardisation, Flink ML's absolute ``tol`` on the loss.
 
-``tol`` is Flink ML's: training stops once the loss is <= ``tol`` (or after
-``max_iter`` epochs). ``global_batch_size=None`` is full-batch gradient descent (one
-pass per epoch); a number is the mini-batch of each epoch, split evenly over the
-subtasks, each taking its rows cyclically in a seeded random order (Flink ML's
-``globalBatchSize``).
+``tol`` changed meaning with the default solver: it is MLlib's relative change of the
+objective between iterations (it was, and under ``solver="sgd"`` still is, Flink ML's
+absolute loss threshold). A fit that ends at ``max_iter`` without meeting ``tol`` warns
+(``ConvergenceWarning``) and reports ``model.summary.converged = False``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from pyspark.ml import Estimator
+from pyspark.ml import Model as SparkModel
+from pyspark.ml.util import DefaultParamsReadable, DefaultParamsWritable
 
 from .._body import IterationBody
-from .._errors import DataValidationError, IterationConfigError
-from .._operators import CoordinatorOperator, PartitionOperator
+from .._errors import IterationConfigError
 from ._base import (
     Model,
     check_bool,
@@ -48,13 +51,27 @@ from ._base import (
     check_progress,
     run_iteration,
 )
-from ._features import ARRAY, COLUMNS, VECTOR, FeatureCache, FeaturePlan, resolve_features
+from ._features import ARRAY, COLUMNS, VECTOR, FeaturePlan, resolve_features
+from ._glm import (
+    BINOMIAL,
+    GAUSSIAN,
+    MAX_CLASSES,
+    MULTINOMIAL,
+    NORMAL_MAX_FEATURES,
+    FitSpec,
+    _GLMServer,
+    _GLMTask,
+)
+from ._sgd import _LinearServer, _LinearTask, linear_gradient, logistic_terms
+from ._stages import ParamSpec, StageModelIO, StageParams
 
 __all__ = [
+    "ConvergenceWarning",
     "LinearRegression",
     "LinearRegressionModel",
     "LogisticRegression",
     "LogisticRegressionModel",
+    "TrainingSummary",
     "linear_gradient",
     "logistic_terms",
 ]
@@ -64,431 +81,421 @@ __all__ = [
 SQL_MAX_FEATURES = 1024
 
 
-def logistic_terms(z: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(p - y, log loss per row)`` for margins ``z``, computed stably (one exp, one log)."""
-    e = np.exp(-np.abs(z))
-    inv = 1.0 / (1.0 + e)
-    p = np.where(z >= 0, inv, e * inv)
-    loss = np.maximum(z, 0.0) - y * z + np.log1p(e)
-    return p - y, loss
+class ConvergenceWarning(UserWarning):
+    """A fit stopped at ``max_iter`` before meeting ``tol``."""
 
 
-def _block_rows(d: int) -> int:
-    # ~4 MiB of rows: a block read from memory for X @ w is still in cache for X.T @ r
-    return int(min(65536, max(1024, (4 << 20) // (8 * max(d, 1)))))
+@dataclass
+class TrainingSummary:
+    """What a fit did: the objective at the start and after every iteration
+    (``objective_history``; ``solver="sgd"``: the loss of every epoch or update),
+    ``total_iterations``, ``solver``, ``converged``, why it stopped, wall ``seconds``,
+    ``epochs`` (passes over the data, line-search trials included). MLlib's names
+    ``objectiveHistory`` and ``totalIterations`` work too."""
+
+    objective_history: list[float]
+    total_iterations: int
+    solver: str
+    converged: bool
+    reason: str
+    seconds: float
+    epochs: int
+    family: str = ""
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def objectiveHistory(self) -> list[float]:
+        return self.objective_history
+
+    @property
+    def totalIterations(self) -> int:
+        return self.total_iterations
 
 
-def linear_gradient(
-    X: np.ndarray,
-    y: np.ndarray,
-    w: np.ndarray,
-    b: float,
-    sw: np.ndarray | None,
-    *,
-    logistic: bool,
-) -> np.ndarray:
-    """``[X^T r (d), sum r, loss sum, rows]`` over the rows of ``X``, block by block.
-
-    ``r`` is the residual (``p - y`` or ``X w + b - y``, times the row weight); the loss
-    is the log loss or half the squared error. One pass over ``X`` from memory: each
-    block's ``X_b @ w`` and ``X_b.T @ r_b`` share the block while it is in cache (a
-    memory-bound epoch costs about half of ``X @ w`` then ``X.T @ r``).
-    """
-    n, d = X.shape
-    out = np.zeros(d + 3)
-    g = out[:d]
-    block = _block_rows(d)
-    gb = loss_sum = 0.0
-    for s in range(0, n, block):
-        e = min(n, s + block)
-        Xb = X[s:e]
-        z = Xb @ w
-        z += b
-        if logistic:
-            r, loss = logistic_terms(z, y[s:e])
-        else:
-            r = z - y[s:e]
-            loss = 0.5 * r * r
-        if sw is not None:
-            r *= sw[s:e]
-            loss_sum += float(loss @ sw[s:e])
-        else:
-            loss_sum += float(loss.sum())
-        g += Xb.T @ r
-        gb += float(r.sum())
-    out[d] = gb
-    out[d + 1] = loss_sum
-    out[d + 2] = float(sw.sum()) if sw is not None else float(n)
-    return out
+# -- parameters -------------------------------------------------------------------------------
 
 
-# -- Spark task ---------------------------------------------------------------------------
+def _c_int(minimum: int, optional: bool = False) -> Any:
+    return lambda o, n, v: check_int(o, n, v, minimum=minimum, optional=optional)
 
 
-class _LinearTask(PartitionOperator):
-    """Runs in a Spark task: caches its rows once, sends one packed gradient per epoch.
-
-    The feedback is one float64 array: ``[X^T r (d), sum r, loss sum, rows (weighted),
-    wall time the epoch started]``, ``r`` the per-row residual (times the row weight).
-    """
-
-    def __init__(
-        self,
-        plan: FeaturePlan,
-        logistic: bool,
-        global_batch_size: int | None,
-        seed: int,
-        straggler: tuple[int, float] | None = None,
-    ) -> None:
-        self.plan = plan
-        self.logistic = logistic
-        self.global_batch_size = global_batch_size
-        self.seed = seed
-        self.straggler = straggler
-
-    def open(self, ctx: Any) -> None:
-        self.cache = FeatureCache(self.plan)
-        self.order: np.ndarray | None = None
-        self.pos = 0
-        n, p = ctx.num_partitions, ctx.partition_id
-        gb = self.global_batch_size
-        self.batch = None if gb is None else gb // n + (1 if p < gb % n else 0)
-
-    def process_data(self, stream: int, batch: Any, ctx: Any, out: Any) -> None:
-        self.cache.add(batch)
-
-    def process_variables(self, variables: Any, ctx: Any, out: Any) -> None:
-        self.w = variables["coef"]
-        self.b = float(variables["intercept"])
-
-    def _sealed(self, ctx: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        first = self.order is None
-        X, y, sw = self.cache.matrix(), self.cache.label(), self.cache.weight()
-        if first:
-            if self.logistic and len(y) and not np.isin(y, (0.0, 1.0)).all():
-                bad = y[~np.isin(y, (0.0, 1.0))][0]
-                raise DataValidationError(
-                    f"label column {self.plan.label!r} holds {bad!r}; binary logistic "
-                    f"regression needs labels 0 or 1"
-                )
-            if not np.isfinite(X).all():
-                raise DataValidationError(
-                    f"the features {list(self.plan.columns)} hold NaN or infinite values in "
-                    f"partition {ctx.partition_id}; clean them first"
-                )
-            rng = np.random.default_rng([self.seed, ctx.partition_id])
-            self.order = rng.permutation(len(y)) if self.batch is not None else np.zeros(0)
-        return X, y, sw
-
-    def on_epoch_watermark_incremented(self, epoch: int, ctx: Any, out: Any) -> None:
-        started = time.time()
-        X, y, sw = self._sealed(ctx)
-        t0 = time.perf_counter()  # the straggler's slowdown scales the gradient, not loading
-        if self.batch is not None and len(y):
-            assert self.order is not None
-            take = self.order[(self.pos + np.arange(self.batch)) % len(y)]
-            self.pos = (self.pos + self.batch) % len(y)
-            X, y = X[take], y[take]
-            sw = sw[take] if sw is not None else None
-        elif self.batch == 0:
-            X, y, sw = X[:0], y[:0], (sw[:0] if sw is not None else None)
-        d = len(self.w)
-        packed = np.empty(d + 4)
-        packed[: d + 3] = linear_gradient(X, y, self.w, self.b, sw, logistic=self.logistic)
-        packed[d + 3] = started
-        out.feedback(packed)
-        if self.straggler is not None and self.straggler[0] == ctx.partition_id:
-            # a simulated straggler (benchmarks): this subtask computes `factor` x slower
-            time.sleep((self.straggler[1] - 1.0) * (time.perf_counter() - t0))
+def _c_num(**kw: Any) -> Any:
+    return lambda o, n, v: check_number(o, n, v, **kw)
 
 
-# -- Ray coordinator actor ----------------------------------------------------------------
-
-
-class _LinearServer(CoordinatorOperator):
-    """Runs in the Ray coordinator actor: the weights and the gradient steps."""
-
-    def __init__(
-        self,
-        *,
-        learning_rate: float,
-        reg: float,
-        elastic_net: float,
-        fit_intercept: bool,
-        max_iter: int,
-        tol: float,
-        trace_weights: bool = False,
-    ) -> None:
-        self.trace_weights = trace_weights
-        self.lr = learning_rate
-        self.l1 = reg * elastic_net
-        self.l2 = reg * (1.0 - elastic_net)
-        self.fit_intercept = fit_intercept
-        self.max_iter = max_iter
-        self.tol = tol
-
-    def open(self, init_variables: Any, ctx: Any) -> None:
-        self.w = np.array(init_variables["coef"], dtype=np.float64)
-        self.b = float(init_variables["intercept"])
-        self.acc: np.ndarray | None = None
-        self.recent: dict[int, tuple[float, float]] = {}
-        self.t0 = math.inf
-        self.loss = math.inf
-
-    def _penalty(self) -> float:
-        if not (self.l1 or self.l2):
-            return 0.0
-        return self.l1 * float(np.abs(self.w).sum()) + 0.5 * self.l2 * float(self.w @ self.w)
-
-    def _step(self, g: np.ndarray, gb: float, rows: float) -> None:
-        if rows <= 0:
-            return
-        lr = self.lr
-        grad = g / rows
-        if self.l2:
-            grad = grad + self.l2 * self.w
-        w = self.w - lr * grad
-        if self.l1:
-            w = np.sign(w) * np.maximum(np.abs(w) - lr * self.l1, 0.0)
-        self.w = w
-        if self.fit_intercept:
-            self.b -= lr * gb / rows
-
-    def _report(self, loss: float, ctx: Any, out: Any) -> None:
-        if not math.isfinite(loss):
-            raise FloatingPointError(
-                f"the loss diverged ({loss}) at epoch {ctx.epoch}; lower learning_rate "
-                f"(now {self.lr:g}) or scale the features"
+def _c_choice(*choices: Any) -> Any:
+    def check(owner: str, name: str, value: Any) -> None:
+        if value not in choices:
+            raise IterationConfigError(
+                f"{owner}({name}=...) must be one of {', '.join(map(repr, choices))}, got {value!r}"
             )
-        self.loss = loss
-        out.output("loss", loss)
-        out.output("loss_trace", (time.time() - self.t0, loss))
 
-    def _publish(self, out: Any) -> None:
-        out.publish_variables(coef=self.w, intercept=self.b)
-        if self.trace_weights:  # benchmarks: every version with its time, to score exactly
-            out.output("weights_trace", (time.time() - self.t0, self.w.copy(), self.b))
-
-    def process_feedback(self, value: np.ndarray, ctx: Any, out: Any) -> None:
-        self.t0 = min(self.t0, float(value[-1]))
-        if ctx.is_sync:  # applied at the epoch's alignment, summed in partition order
-            if self.acc is None:
-                self.acc = value.copy()
-            else:
-                self.acc += value
-            return
-        d = len(self.w)
-        # async / SSP: this partition's (mini-batch) gradient, applied now
-        self.recent[ctx.source_partition] = (float(value[d + 1]), float(value[d + 2]))
-        seen = sum(n for _, n in self.recent.values())
-        penalty = self._penalty()
-        self._step(value[:d], float(value[d]), float(value[d + 2]))
-        if seen > 0:
-            self._report(sum(s for s, _ in self.recent.values()) / seen + penalty, ctx, out)
-        self._publish(out)
-
-    def on_epoch_watermark_incremented(self, epoch: int, ctx: Any, out: Any) -> None:
-        if ctx.is_sync and self.acc is not None:
-            d = len(self.w)
-            acc, self.acc = self.acc, None
-            rows = float(acc[d + 2])
-            if rows > 0:
-                self._report(float(acc[d + 1]) / rows + self._penalty(), ctx, out)
-            self._step(acc[:d], float(acc[d]), rows)
-            self._publish(out)
-        if epoch + 1 < self.max_iter and self.loss > self.tol:
-            out.criteria()
+    return check
 
 
-# -- estimators ---------------------------------------------------------------------------
+def _c_features(owner: str, name: str, value: Any) -> None:
+    check_features_col(owner, value)
 
 
-def _validate_common(owner: str, est: Any) -> int | None:
-    features = check_features_col(owner, est.features_col)
-    object.__setattr__(est, "features_col", features)
-    check_column(owner, "label_col", est.label_col)
-    check_optional_column(owner, "weight_col", est.weight_col)
-    check_column(owner, "prediction_col", est.prediction_col)
-    check_int(owner, "max_iter", est.max_iter, minimum=1)
-    check_number(owner, "tol", est.tol, low=-math.inf)
-    check_number(owner, "learning_rate", est.learning_rate, low=0.0, low_open=True)
-    check_int(owner, "global_batch_size", est.global_batch_size, minimum=1, optional=True)
-    check_number(owner, "reg", est.reg, low=0.0)
-    check_number(owner, "elastic_net", est.elastic_net, low=0.0, high=1.0)
-    check_bool(owner, "fit_intercept", est.fit_intercept)
-    check_int(owner, "seed", est.seed, minimum=0)
-    check_int(owner, "parallelism", est.parallelism, minimum=1, optional=True)
-    check_progress(owner, est.progress)
-    return check_mode(owner, est.mode, est.staleness)
+def _c_mode(owner: str, name: str, value: Any) -> None:
+    if value not in ("sync", "async", "ssp"):
+        check_mode(owner, value, None)
 
 
-def _fit_linear(
-    est: Any,
-    df: Any,
-    *,
-    logistic: bool,
-    straggler: tuple[int, float] | None,
-    trace_weights: bool = False,
-) -> tuple[np.ndarray, float, FeaturePlan, Any]:
+_COMMON = (
+    ParamSpec("features_col", "featuresCol", "features", "features: a vector column, an array column or a list of numeric columns", _c_features),
+    ParamSpec("label_col", "labelCol", "label", "label column name", check_column),
+    ParamSpec("weight_col", "weightCol", None, "row weight column name (None: weight 1)", check_optional_column),
+    ParamSpec("prediction_col", "predictionCol", "prediction", "prediction column name", check_column),
+    ParamSpec("max_iter", "maxIter", 100, "maximum number of iterations (sgd: epochs)", _c_int(1)),
+    ParamSpec("tol", "tol", 1e-6, "convergence tolerance: relative change of the objective (sgd: absolute loss)", _c_num(low=-math.inf)),
+    ParamSpec("reg", "regParam", 0.0, "regularization parameter (>= 0)", _c_num(low=0.0)),
+    ParamSpec("elastic_net", "elasticNetParam", 0.0, "ElasticNet mixing: 0 is L2, 1 is L1", _c_num(low=0.0, high=1.0)),
+    ParamSpec("fit_intercept", "fitIntercept", True, "whether to fit an intercept", check_bool),
+    ParamSpec("standardization", "standardization", True, "standardize the features internally (MLlib's meaning)", check_bool),
+    ParamSpec("learning_rate", "learningRate", 0.1, "solver='sgd': step size", _c_num(low=0.0, low_open=True)),
+    ParamSpec("global_batch_size", "globalBatchSize", None, "solver='sgd': rows per epoch (None: full batch)", _c_int(1, optional=True)),
+    ParamSpec("mode", "mode", "sync", "solver='sgd': 'sync', 'async' or 'ssp'", _c_mode),
+    ParamSpec("staleness", "staleness", None, "mode='ssp': bound on staleness", _c_int(0, optional=True)),
+    ParamSpec("seed", "seed", 0, "random seed (sgd mini-batches)", _c_int(0)),
+    ParamSpec("parallelism", "parallelism", None, "subtasks (None: the data's partitions)", _c_int(1, optional=True)),
+    ParamSpec("progress", "progress", None, "progress line (None: on a terminal)", lambda o, n, v: check_progress(o, v)),
+)  # fmt: skip
+
+_CLASSIFIER = (
+    ParamSpec("probability_col", "probabilityCol", "probability", "class probabilities column (None: none)", check_optional_column),
+    ParamSpec("raw_prediction_col", "rawPredictionCol", "rawPrediction", "margins column (None: none)", check_optional_column),
+    ParamSpec("threshold", "threshold", 0.5, "binomial: predict 1 when P(1) > threshold", _c_num(low=0.0, high=1.0)),
+    ParamSpec("family", "family", "auto", "'auto', 'binomial' or 'multinomial'", _c_choice("auto", "binomial", "multinomial")),
+    ParamSpec("solver", "solver", "auto", "'auto' (L-BFGS / OWL-QN), 'l-bfgs' or 'sgd'", _c_choice("auto", "l-bfgs", "sgd")),
+)  # fmt: skip
+
+_REGRESSOR = (
+    ParamSpec("solver", "solver", "auto", "'auto', 'normal', 'l-bfgs' or 'sgd'", _c_choice("auto", "normal", "l-bfgs", "sgd")),
+)  # fmt: skip
+
+_SGD_ONLY = ("learning_rate", "global_batch_size")
+
+
+def _check_cross(est: StageParams) -> None:
+    """Checks across parameters (on creation and before each fit)."""
     owner = type(est).__name__
+    check_mode(owner, est.value("mode"), est.value("staleness"))
+    solver = est.value("solver")
+    if solver != "sgd":
+        if est.value("mode") != "sync":
+            raise IterationConfigError(
+                f"{owner}(mode={est.value('mode')!r}) needs solver='sgd': solver={solver!r} "
+                f"(L-BFGS / normal equations) runs in lock step over full-batch gradients. "
+                f"Use mode='sync', or solver='sgd' for asynchronous training"
+            )
+        for name in _SGD_ONLY:
+            if est.is_set(name) and est.value(name) is not None:
+                raise IterationConfigError(
+                    f"{owner}({name}=...) applies to solver='sgd' only (solver={solver!r} "
+                    f"needs no step size and reads every row each iteration); drop it, or "
+                    f"pass solver='sgd'"
+                )
+        tol = est.value("tol")
+        if not tol >= 0:
+            raise IterationConfigError(
+                f"{owner}(tol=...) must be >= 0 with solver={solver!r} (the relative change "
+                f"of the objective), got {tol!r}"
+            )
+    elif est.is_set("standardization") and est.value("standardization"):
+        raise IterationConfigError(
+            f"{owner}(standardization=True) is not available with solver='sgd', which "
+            f"trains on the features as given; scale them first "
+            f"(pyspark.ml.feature.StandardScaler) or use solver='auto'"
+        )
+
+
+# -- fitting --------------------------------------------------------------------------------
+
+
+def _prepare(est: Any, df: Any) -> FeaturePlan:
+    owner = type(est).__name__
+    est.check_params()
+    _check_cross(est)
     check_dataframe(owner, df)
     outputs = [c for c in est._output_columns() if c is not None]
     if len(set(outputs)) != len(outputs):
         raise IterationConfigError(f"{owner}: the output columns {outputs} must differ")
-    plan = resolve_features(
-        df, est.features_col, label_col=est.label_col, weight_col=est.weight_col
+    return resolve_features(
+        df,
+        check_features_col(owner, est.value("features_col")),
+        label_col=est.value("label_col"),
+        weight_col=est.value("weight_col"),
     )
-    staleness = check_mode(owner, est.mode, est.staleness)
+
+
+def _fit_sgd(
+    est: Any,
+    df: Any,
+    plan: FeaturePlan,
+    *,
+    logistic: bool,
+    straggler: tuple[int, float] | None,
+    trace_weights: bool,
+) -> tuple[np.ndarray, np.ndarray, Any, TrainingSummary]:
+    owner = type(est).__name__
+    v = est.value
+    staleness = check_mode(owner, v("mode"), v("staleness"))
     init = {"coef": np.zeros(plan.dim), "intercept": 0.0}
+    gbs = v("global_batch_size")
     body = IterationBody(
-        partition=_LinearTask(plan, logistic, est.global_batch_size, est.seed, straggler),
+        partition=_LinearTask(plan, logistic, gbs, v("seed"), straggler),
         coordinator=_LinearServer(
-            learning_rate=float(est.learning_rate),
-            reg=float(est.reg),
-            elastic_net=float(est.elastic_net),
-            fit_intercept=est.fit_intercept,
-            max_iter=est.max_iter,
-            tol=float(est.tol),
+            learning_rate=float(v("learning_rate")),
+            reg=float(v("reg")),
+            elastic_net=float(v("elastic_net")),
+            fit_intercept=v("fit_intercept"),
+            max_iter=v("max_iter"),
+            tol=float(v("tol")),
             trace_weights=trace_weights,
+            full_batch=gbs is None,
         ),
         criteria=True,
     )
+    t = time.perf_counter()
     result = run_iteration(
         df,
         plan,
         init,
         body,
         staleness=staleness,
-        parallelism=est.parallelism,
-        progress=est.progress,
-        name=f"{owner}[{est.mode}]",
+        parallelism=v("parallelism"),
+        progress=v("progress"),
+        name=f"{owner}[{v('mode')}]",
     )
-    return (
-        np.array(result.variables["coef"], dtype=np.float64),
-        float(result.variables["intercept"]),
+    losses = [float(x) for x in result.outputs.get("loss", [])]
+    summary = TrainingSummary(
+        objective_history=losses,
+        total_iterations=result.epochs,
+        solver="sgd",
+        converged=bool(losses) and losses[-1] <= float(v("tol")),
+        reason="loss <= tol" if losses and losses[-1] <= float(v("tol")) else "max_iter",
+        seconds=time.perf_counter() - t,
+        epochs=result.epochs,
+        family=("binomial" if logistic else GAUSSIAN),
+    )
+    w = np.array(result.variables["coef"], dtype=np.float64)
+    b = float(result.variables["intercept"])
+    return w[None, :], np.array([b]), result, summary
+
+
+def _num_classes(df: Any, label: str) -> int:
+    """The label's class count: its ML metadata (``StringIndexer``) or one aggregate
+    job for its maximum (MLlib does the same); the coordinator's variables need the
+    coefficient matrix's shape before the iteration starts."""
+    from pyspark.sql import functions as F
+
+    attrs = (df.schema[label].metadata or {}).get("ml_attr", {})
+    if isinstance(attrs, dict):
+        if isinstance(attrs.get("num_vals"), int):
+            return int(attrs["num_vals"])
+        if isinstance(attrs.get("vals"), list):
+            return len(attrs["vals"])
+    top = df.agg(F.max(F.col(label).cast("double"))).first()[0]
+    if top is None:
+        from .._errors import DataValidationError
+
+        raise DataValidationError(f"label column {label!r} has no non-null values: nothing to fit")
+    top = float(top)
+    if not math.isfinite(top) or top >= MAX_CLASSES:
+        from .._errors import DataValidationError
+
+        raise DataValidationError(
+            f"label column {label!r} holds {top!r}; logistic regression needs class indices "
+            f"0, 1, ..., K-1 (K <= {MAX_CLASSES}); index string labels with "
+            f"pyspark.ml.feature.StringIndexer"
+        )
+    return max(int(top) + 1, 1)
+
+
+def _fit_glm(
+    est: Any, df: Any, plan: FeaturePlan, *, family: str
+) -> tuple[np.ndarray, np.ndarray, Any, TrainingSummary]:
+    owner = type(est).__name__
+    v = est.value
+    solver = v("solver")
+    if family == GAUSSIAN:
+        if solver == "normal" and plan.dim > NORMAL_MAX_FEATURES:
+            raise IterationConfigError(
+                f"{owner}(solver='normal') takes at most {NORMAL_MAX_FEATURES} features "
+                f"(the Gram matrix is features x features), the data has {plan.dim}; use "
+                f"solver='auto' or 'l-bfgs'"
+            )
+        solver = (
+            "normal"
+            if solver == "normal" or (solver == "auto" and plan.dim <= NORMAL_MAX_FEATURES)
+            else "l-bfgs"
+        )
+    else:
+        solver = "l-bfgs"
+    classes = 0 if family in (GAUSSIAN, BINOMIAL) else _num_classes(df, v("label_col"))
+    multinomial = family == MULTINOMIAL or (family == "auto" and classes > 2)
+    spec = FitSpec(
+        classes=classes,
+        family=family,
+        solver=solver,
+        reg=float(v("reg")),
+        elastic_net=float(v("elastic_net")),
+        standardization=bool(v("standardization")),
+        fit_intercept=bool(v("fit_intercept")),
+        max_iter=int(v("max_iter")),
+        tol=float(v("tol")),
+        label=str(v("label_col")),
+    )
+    body = IterationBody(
+        partition=_GLMTask(plan, family, gram=solver == "normal"),
+        coordinator=_GLMServer(spec),
+        criteria=True,
+    )
+    rows = max(classes, 2) if multinomial else 1
+    init = {"phase": 0, "coef": np.zeros((rows, plan.dim)), "intercept": np.zeros(rows)}
+    t = time.perf_counter()
+    result = run_iteration(
+        df,
         plan,
-        result,
+        init,
+        body,
+        staleness=0,
+        parallelism=v("parallelism"),
+        progress=v("progress"),
+        name=f"{owner}[{solver}]",
+        progress_tag="objective",
+        # a safety net only: the optimizer stops itself (<= 30 trials per iteration)
+        max_epochs=2 + 31 * (spec.max_iter + 1),
     )
+    info = result.outputs["summary"][-1]
+    summary = TrainingSummary(
+        objective_history=[float(x) for x in info["objective_history"]],
+        total_iterations=int(info["total_iterations"]),
+        solver=solver,
+        converged=bool(info["converged"]),
+        reason=str(info["reason"]),
+        seconds=time.perf_counter() - t,
+        epochs=result.epochs,
+        family=str(info["family"]),
+        warnings=list(info["warnings"]),
+    )
+    for w in summary.warnings:
+        warnings.warn(f"{owner}: {w}", UserWarning, stacklevel=4)
+    if not summary.converged:
+        warnings.warn(
+            f"{owner} did not converge: stopped after {summary.total_iterations} iterations "
+            f"({summary.reason}) with the relative change of the objective still above "
+            f"tol={spec.tol:g}; raise max_iter (now {spec.max_iter})",
+            ConvergenceWarning,
+            stacklevel=4,
+        )
+    B = np.array(result.variables["coef"], dtype=np.float64)
+    b = np.array(result.variables["intercept"], dtype=np.float64)
+    return B, b, result, summary
 
 
-@dataclass(frozen=True, kw_only=True)
-class LogisticRegression:
-    """Binary logistic regression by gradient descent (sync, async or SSP).
+class _LinearEstimator(StageParams, Estimator, DefaultParamsReadable, DefaultParamsWritable):
+    """Shared by both estimators: keyword construction, ``fit(df)``."""
 
-    ``features_col``: a vector column (``pyspark.ml.linalg`` dense or sparse), an array
-    column, or a list of numeric columns; ``label_col`` holds 0 or 1. ``fit(df)`` returns
-    a ``LogisticRegressionModel``. See the module docstring for the objective, ``tol``
-    and ``global_batch_size``.
-    """
-
-    features_col: str | Sequence[str] = "features"
-    label_col: str = "label"
-    weight_col: str | None = None
-    prediction_col: str = "prediction"
-    probability_col: str | None = "probability"
-    raw_prediction_col: str | None = "raw_prediction"
-    max_iter: int = 100
-    tol: float = 1e-6
-    learning_rate: float = 0.1
-    global_batch_size: int | None = None
-    reg: float = 0.0
-    elastic_net: float = 0.0
-    fit_intercept: bool = True
-    threshold: float = 0.5
-    mode: str = "sync"
-    staleness: int | None = None
-    seed: int = 0
-    parallelism: int | None = None
-    progress: bool | None = None
-
-    def __post_init__(self) -> None:
-        _validate_common("LogisticRegression", self)
-        check_optional_column("LogisticRegression", "probability_col", self.probability_col)
-        check_optional_column("LogisticRegression", "raw_prediction_col", self.raw_prediction_col)
-        check_number("LogisticRegression", "threshold", self.threshold, low=0.0, high=1.0)
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self._init_params(kwargs)
+        _check_cross(self)
 
     def _output_columns(self) -> list[str | None]:
-        return [self.prediction_col, self.probability_col, self.raw_prediction_col]
+        return [self.value("prediction_col")]
 
-    def fit(self, df: Any) -> LogisticRegressionModel:
-        """Train on ``df`` (one iteration; the data is read once into the subtasks)."""
-        return self._fit(df)
+    def __repr__(self) -> str:
+        given = ", ".join(
+            f"{s.snake}={self.getOrDefault(s.spark)!r}"
+            for s in self._all_specs().values()
+            if self.isSet(s.spark)
+        )
+        return f"{type(self).__name__}({given})"
+
+
+class LogisticRegression(_LinearEstimator):
+    """Logistic regression, binomial or multinomial (``family``), on Spark + Ray.
+
+    ``features_col``: a vector column (``pyspark.ml.linalg`` dense or sparse), an array
+    column, or a list of numeric columns; ``label_col`` holds class indices 0..K-1.
+    ``fit(df)`` returns a ``LogisticRegressionModel``. Parameters by Python keyword
+    (``max_iter``, ``reg``, ``elastic_net``, ...) or MLlib's name (``maxIter``,
+    ``regParam``, ``elasticNetParam``, ...); see the module docstring for solvers.
+    """
+
+    _SPECS = (*_COMMON, *_CLASSIFIER)
+
+    def _output_columns(self) -> list[str | None]:
+        return [
+            self.value("prediction_col"),
+            self.value("probability_col"),
+            self.value("raw_prediction_col"),
+        ]
 
     def _fit(
         self,
-        df: Any,
+        dataset: Any,
+        *,
         straggler: tuple[int, float] | None = None,
         trace_weights: bool = False,
     ) -> LogisticRegressionModel:
-        """``fit`` with benchmark hooks: ``straggler=(partition, factor)`` makes that
-        subtask ``factor`` x slower; ``trace_weights`` outputs every version with its time."""
-        w, b, plan, result = _fit_linear(
-            self, df, logistic=True, straggler=straggler, trace_weights=trace_weights
+        """``fit`` with benchmark hooks (``solver="sgd"``): ``straggler=(partition,
+        factor)`` makes that subtask ``factor`` x slower; ``trace_weights`` outputs every
+        version with its time."""
+        plan = _prepare(self, dataset)
+        if self.value("solver") == "sgd":
+            if self.value("family") == "multinomial":
+                raise IterationConfigError(
+                    "LogisticRegression(solver='sgd') is binomial only; use solver='auto' "
+                    "for family='multinomial'"
+                )
+            B, b, result, summary = _fit_sgd(
+                self, dataset, plan, logistic=True, straggler=straggler, trace_weights=trace_weights
+            )
+        else:
+            B, b, result, summary = _fit_glm(self, dataset, plan, family=self.value("family"))
+        multinomial = summary.family == "multinomial"
+        arrays = (
+            {"coefficient_matrix": B, "intercept_vector": b}
+            if multinomial
+            else {"coefficients": B[0], "intercept": np.array(b[0])}
         )
-        return LogisticRegressionModel(
-            _model_params(self, plan), {"coefficients": w, "intercept": np.array(b)}, result
-        )
+        model = LogisticRegressionModel._from_arrays(arrays, result=result, summary=summary)
+        self._copyValues(model)
+        return model._set_parent(self)
 
 
-@dataclass(frozen=True, kw_only=True)
-class LinearRegression:
-    """Least-squares linear regression by gradient descent (sync, async or SSP).
+class LinearRegression(_LinearEstimator):
+    """Least-squares linear regression on Spark + Ray (MLlib's objective; the normal
+    equations by default). ``fit(df)`` returns a ``LinearRegressionModel``."""
 
-    Same parameters as ``LogisticRegression`` without the classification ones; the loss
-    is half the mean squared error. ``fit(df)`` returns a ``LinearRegressionModel``.
-    """
-
-    features_col: str | Sequence[str] = "features"
-    label_col: str = "label"
-    weight_col: str | None = None
-    prediction_col: str = "prediction"
-    max_iter: int = 100
-    tol: float = 1e-6
-    learning_rate: float = 0.1
-    global_batch_size: int | None = None
-    reg: float = 0.0
-    elastic_net: float = 0.0
-    fit_intercept: bool = True
-    mode: str = "sync"
-    staleness: int | None = None
-    seed: int = 0
-    parallelism: int | None = None
-    progress: bool | None = None
-
-    def __post_init__(self) -> None:
-        _validate_common("LinearRegression", self)
-
-    def _output_columns(self) -> list[str | None]:
-        return [self.prediction_col]
-
-    def fit(self, df: Any) -> LinearRegressionModel:
-        """Train on ``df`` (one iteration; the data is read once into the subtasks)."""
-        return self._fit(df)
+    _SPECS = (*_COMMON, *_REGRESSOR)
 
     def _fit(
         self,
-        df: Any,
+        dataset: Any,
+        *,
         straggler: tuple[int, float] | None = None,
         trace_weights: bool = False,
     ) -> LinearRegressionModel:
-        w, b, plan, result = _fit_linear(
-            self, df, logistic=False, straggler=straggler, trace_weights=trace_weights
-        )
-        return LinearRegressionModel(
-            _model_params(self, plan), {"coefficients": w, "intercept": np.array(b)}, result
-        )
-
-
-def _model_params(est: Any, plan: FeaturePlan) -> dict[str, Any]:
-    params = {
-        f.name: getattr(est, f.name)
-        for f in dataclasses.fields(est)
-        if f.name not in ("progress", "parallelism")
-    }
-    fc = params["features_col"]
-    params["features_col"] = fc if isinstance(fc, str) else list(fc)
-    params["num_features"] = plan.dim
-    return params
+        plan = _prepare(self, dataset)
+        if self.value("solver") == "sgd":
+            B, b, result, summary = _fit_sgd(
+                self,
+                dataset,
+                plan,
+                logistic=False,
+                straggler=straggler,
+                trace_weights=trace_weights,
+            )
+        else:
+            B, b, result, summary = _fit_glm(self, dataset, plan, family=GAUSSIAN)
+        arrays = {"coefficients": B[0], "intercept": np.array(b[0])}
+        model = LinearRegressionModel._from_arrays(arrays, result=result, summary=summary)
+        self._copyValues(model)
+        return model._set_parent(self)
 
 
 # -- transform: Spark SQL expressions (the input schema, vector columns included, is kept)
@@ -519,37 +526,257 @@ def _literal_array(values: np.ndarray) -> Any:
     return F.array(*[F.lit(float(v)) for v in values])
 
 
-def dot_expression(df: Any, features_col: Any, w: np.ndarray, b: float, owner: str) -> Any:
-    """A Spark column ``features . w + b`` (SQL; a pandas UDF for very wide models)."""
+def _dot(kind: str, col: Any, w: np.ndarray, b: float) -> Any:
     from pyspark.sql import functions as F
 
-    kind, col = _feature_array(df, features_col, len(w), owner)
     if kind == COLUMNS:
         terms = [c.cast("double") * F.lit(float(wi)) for c, wi in zip(col, w)]
         return functools.reduce(lambda a, t: a + t, terms, F.lit(float(b)))
-    if len(w) <= SQL_MAX_FEATURES:
-        products = F.zip_with(col, _literal_array(w), lambda x, y: x * y)
-        return F.aggregate(products, F.lit(float(b)), lambda acc, v: acc + v)
-    return _margin_udf(w, b)(col)
+    products = F.zip_with(col, _literal_array(w), lambda x, y: x * y)
+    return F.aggregate(products, F.lit(float(b)), lambda acc, v: acc + v)
 
 
-def _margin_udf(w: np.ndarray, b: float) -> Any:
+def dot_expression(df: Any, features_col: Any, w: np.ndarray, b: float, owner: str) -> Any:
+    """A Spark column ``features . w + b`` (SQL; a pandas UDF for very wide models)."""
+    kind, col = _feature_array(df, features_col, len(w), owner)
+    if kind == COLUMNS or len(w) <= SQL_MAX_FEATURES:
+        return _dot(kind, col, w, b)
+    return _margins_udf(np.asarray(w)[None, :], np.array([b]), single=True)(col)
+
+
+def margins_expression(df: Any, features_col: Any, B: np.ndarray, b: np.ndarray, owner: str) -> Any:
+    """A Spark ``array<double>`` column of the ``K`` margins ``X B^T + b``."""
+    from pyspark.sql import functions as F
+
+    kind, col = _feature_array(df, features_col, B.shape[1], owner)
+    if kind == COLUMNS or B.size <= SQL_MAX_FEATURES:
+        return F.array(*[_dot(kind, col, B[k], float(b[k])) for k in range(len(B))])
+    return _margins_udf(B, b, single=False)(col)
+
+
+def _margins_udf(B: np.ndarray, b: np.ndarray, *, single: bool) -> Any:
     import pandas as pd
     from pyspark.sql.functions import pandas_udf
 
-    weights = np.array(w, dtype=np.float64)
-    dim = len(weights)
+    weights = np.array(B, dtype=np.float64)
+    bias = np.array(b, dtype=np.float64)
+    dim = weights.shape[1]
 
     def margin(arrays):  # type: ignore[no-untyped-def]
-        X = np.stack(arrays.to_numpy()).reshape(len(arrays), dim) if len(arrays) else None
-        return pd.Series(X @ weights + b if X is not None else np.zeros(0))
+        if not len(arrays):
+            return pd.Series([], dtype=float if single else object)
+        Z = np.stack(arrays.to_numpy()).reshape(len(arrays), dim) @ weights.T + bias
+        return pd.Series(Z[:, 0]) if single else pd.Series(list(Z))
 
     # explicit hints: this module's postponed annotations are strings pandas_udf cannot read
     margin.__annotations__ = {"arrays": pd.Series, "return": pd.Series}
-    return pandas_udf(margin, "double")  # type: ignore[call-overload]
+    return pandas_udf(margin, "double" if single else "array<double>")  # type: ignore[call-overload]
 
 
-class _LinearModel(Model):
+class _LinearModel(StageParams, SparkModel, StageModelIO):
+    """Shared by the models: arrays, summary, our ``save``/``load`` and Spark's."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self._init_params(kwargs)
+        self._arrays: dict[str, np.ndarray] = {}
+        self.result: Any = None
+        self._summary: TrainingSummary | None = None
+
+    @classmethod
+    def _from_arrays(
+        cls, arrays: dict[str, np.ndarray], *, result: Any = None, summary: Any = None
+    ) -> Any:
+        model = cls()
+        model._arrays = {k: np.asarray(v, dtype=np.float64) for k, v in arrays.items()}
+        model.result = result
+        model._summary = summary
+        return model
+
+    @classmethod
+    def _from_saved(cls, params: dict[str, Any], arrays: dict[str, np.ndarray]) -> Any:
+        model = cls._from_arrays(arrays)
+        known = model._all_specs()
+        snake = {s.snake for s in known.values()}
+        model._set_checked({k: v for k, v in params.items() if k in known or k in snake})
+        return model
+
+    def _set_parent(self, parent: Any) -> Any:
+        self._resetUid(parent.uid)
+        return self
+
+    @property
+    def summary(self) -> TrainingSummary:
+        """The training summary (a loaded model has none)."""
+        if self._summary is None:
+            raise IterationConfigError(
+                f"this {type(self).__name__} has no training summary (it was loaded)"
+            )
+        return self._summary
+
+    @property
+    def has_summary(self) -> bool:
+        return self._summary is not None
+
+    hasSummary = has_summary
+
+    @property
+    def loss_history(self) -> list[float]:
+        """The objective of every iteration (``solver="sgd"``: the loss of every epoch or
+        update)."""
+        return list(self._summary.objective_history) if self._summary else []
+
+    @property
+    def num_features(self) -> int:
+        return int(self._matrix().shape[1])
+
+    def _matrix(self) -> np.ndarray:
+        if "coefficient_matrix" in self._arrays:
+            return self._arrays["coefficient_matrix"]
+        return self._arrays["coefficients"][None, :]
+
+    def _vector(self) -> np.ndarray:
+        if "intercept_vector" in self._arrays:
+            return self._arrays["intercept_vector"]
+        return np.atleast_1d(self._arrays["intercept"])
+
+    def save(self, path: str, *, overwrite: bool = False) -> str:  # type: ignore[override]
+        """Write the model to ``path`` (local or any pyarrow.fs URI) in our format;
+        ``model.write().save(path)`` writes Spark's (what a ``PipelineModel`` does).
+        ``Model.load`` reads both."""
+        from ._persist import write_model
+
+        return write_model(
+            path, type(self).__name__, self.param_values(), self._arrays, overwrite=overwrite
+        )
+
+    @classmethod
+    def load(cls, path: str) -> Any:
+        """Read a model saved by ``save`` or by ``write().save`` (a ``PipelineModel``)."""
+        import pyarrow.fs as pafs
+
+        from ._persist import _filesystem
+
+        fs, root = _filesystem(path)
+        if fs.get_file_info(f"{root}/metadata.json").type != pafs.FileType.NotFound:
+            return Model.load.__func__(cls, path)  # type: ignore[attr-defined]
+        return cls.read().load(path)
+
+    def transform(self, dataset: Any, params: Any = None, *, features_col: Any = None) -> Any:
+        """Add the output columns (Spark SQL expressions; every input column is kept).
+        ``features_col`` reads the features from other columns than at training."""
+        if params:
+            return self.copy(params).transform(dataset, features_col=features_col)
+        return self._transform(dataset, features_col)
+
+    def _features(self, features_col: Any) -> Any:
+        return features_col if features_col is not None else self.value("features_col")
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}{tuple(v.shape)}" for k, v in self._arrays.items())
+        return f"{type(self).__name__}({shapes})"
+
+
+class LogisticRegressionModel(_LinearModel):
+    """A fitted logistic regression. Binomial: ``coefficients`` (D) and ``intercept``;
+    multinomial: ``coefficient_matrix`` (K x D) and ``intercept_vector`` (K), MLlib's
+    parameterisation (intercepts centred; coefficients centred when unregularised).
+
+    ``transform(df)`` adds, as MLlib does, ``rawPrediction`` (margins: ``[-m, m]``, or the
+    K margins), ``probability`` (``pyspark.ml.linalg`` vectors) and ``prediction``
+    (binomial: ``P(1) > threshold``; multinomial: the most probable class)."""
+
+    _SPECS = (*_COMMON, *_CLASSIFIER)
+
+    @property
+    def is_multinomial(self) -> bool:
+        return "coefficient_matrix" in self._arrays
+
+    @property
+    def num_classes(self) -> int:
+        return len(self._vector()) if self.is_multinomial else 2
+
+    numClasses = num_classes
+
+    @property
+    def coefficients(self) -> np.ndarray:
+        if self.is_multinomial:
+            raise IterationConfigError(
+                "a multinomial model has a matrix of coefficients: use coefficient_matrix"
+            )
+        return self._arrays["coefficients"]
+
+    @property
+    def intercept(self) -> float:
+        if self.is_multinomial:
+            raise IterationConfigError(
+                "a multinomial model has a vector of intercepts: use intercept_vector"
+            )
+        return float(self._arrays["intercept"])
+
+    @property
+    def coefficient_matrix(self) -> np.ndarray:
+        return self._matrix()
+
+    @property
+    def intercept_vector(self) -> np.ndarray:
+        return self._vector()
+
+    def _transform(self, dataset: Any, features_col: Any = None) -> Any:
+        from pyspark.ml.functions import array_to_vector
+        from pyspark.sql import functions as F
+
+        v = self.value
+        fc = self._features(features_col)
+        owner = type(self).__name__
+        out = dataset
+        if not self.is_multinomial:
+            margin = dot_expression(dataset, fc, self.coefficients, self.intercept, owner)
+            prob = F.lit(1.0) / (F.lit(1.0) + F.exp(-margin))
+            if v("raw_prediction_col"):
+                out = out.withColumn(
+                    v("raw_prediction_col"), array_to_vector(F.array(-margin, margin))
+                )
+            if v("probability_col"):
+                out = out.withColumn(
+                    v("probability_col"), array_to_vector(F.array(F.lit(1.0) - prob, prob))
+                )
+            return out.withColumn(
+                v("prediction_col"), (prob > F.lit(float(v("threshold")))).cast("double")
+            )
+        raw = margins_expression(dataset, fc, self.coefficient_matrix, self.intercept_vector, owner)
+        tmp = f"__hybrid_iter_margins_{self.uid}"
+        out = out.withColumn(tmp, raw)
+        z = F.col(tmp)
+        top = F.array_max(z)
+        if v("raw_prediction_col"):
+            out = out.withColumn(v("raw_prediction_col"), array_to_vector(z))
+        if v("probability_col"):
+            e = F.transform(z, lambda m: F.exp(m - top))
+            total = F.aggregate(e, F.lit(0.0), lambda a, x: a + x)
+            out = out.withColumn(
+                v("probability_col"), array_to_vector(F.transform(e, lambda x: x / total))
+            )
+        pred = (F.array_position(z, top) - F.lit(1)).cast("double")  # the first maximum
+        return out.withColumn(v("prediction_col"), pred).drop(tmp)
+
+    def predict_numpy(self, X: np.ndarray) -> np.ndarray:
+        """Binomial: ``P(1)`` per row of ``X``; multinomial: the ``(rows, K)``
+        probabilities (on the driver)."""
+        Z = np.asarray(X, dtype=np.float64) @ self.coefficient_matrix.T + self.intercept_vector
+        if not self.is_multinomial:
+            return 1.0 / (1.0 + np.exp(-Z[:, 0]))
+        Z -= Z.max(axis=1, keepdims=True)
+        E = np.exp(Z)
+        return E / E.sum(axis=1, keepdims=True)
+
+
+class LinearRegressionModel(_LinearModel):
+    """Coefficients and intercept of a linear regression; ``transform`` adds
+    ``prediction_col`` (a Spark SQL expression, every input column kept)."""
+
+    _SPECS = (*_COMMON, *_REGRESSOR)
+
     @property
     def coefficients(self) -> np.ndarray:
         return self._arrays["coefficients"]
@@ -558,55 +785,20 @@ class _LinearModel(Model):
     def intercept(self) -> float:
         return float(self._arrays["intercept"])
 
-    @property
-    def loss_history(self) -> list[float]:
-        """The loss of each epoch (sync) or update (async) of the training run."""
-        return [float(v) for v in self.result.outputs.get("loss", [])] if self.result else []
-
-    def _margin(self, df: Any, features_col: Any = None) -> Any:
-        fc = features_col if features_col is not None else self.params["features_col"]
-        return dot_expression(df, fc, self.coefficients, self.intercept, type(self).__name__)
-
-
-class LogisticRegressionModel(_LinearModel):
-    """Coefficients and intercept of a binary logistic regression.
-
-    ``transform(df)`` adds ``prediction_col`` (0.0 or 1.0), ``probability_col`` and
-    ``raw_prediction_col`` (``pyspark.ml.linalg`` vectors ``[1 - p, p]`` and
-    ``[-margin, margin]``, as MLlib's) as Spark SQL expressions, keeping every input
-    column.
-    """
-
-    def transform(self, df: Any, *, features_col: Any = None) -> Any:
-        from pyspark.ml.functions import array_to_vector
-        from pyspark.sql import functions as F
-
-        p = self.params
-        margin = self._margin(df, features_col)
-        prob = F.lit(1.0) / (F.lit(1.0) + F.exp(-margin))
-        out = df
-        if p.get("raw_prediction_col"):
-            out = out.withColumn(p["raw_prediction_col"], array_to_vector(F.array(-margin, margin)))
-        if p.get("probability_col"):
-            out = out.withColumn(
-                p["probability_col"], array_to_vector(F.array(F.lit(1.0) - prob, prob))
-            )
-        return out.withColumn(
-            p["prediction_col"], (prob > F.lit(float(p.get("threshold", 0.5)))).cast("double")
+    def _transform(self, dataset: Any, features_col: Any = None) -> Any:
+        margin = dot_expression(
+            dataset,
+            self._features(features_col),
+            self.coefficients,
+            self.intercept,
+            type(self).__name__,
         )
-
-    def predict_numpy(self, X: np.ndarray) -> np.ndarray:
-        """Probabilities of class 1 for the rows of ``X`` (on the driver)."""
-        z = np.asarray(X, dtype=np.float64) @ self.coefficients + self.intercept
-        return 1.0 / (1.0 + np.exp(-z))
-
-
-class LinearRegressionModel(_LinearModel):
-    """Coefficients and intercept of a linear regression; ``transform`` adds
-    ``prediction_col`` (a Spark SQL expression, every input column kept)."""
-
-    def transform(self, df: Any, *, features_col: Any = None) -> Any:
-        return df.withColumn(self.params["prediction_col"], self._margin(df, features_col))
+        return dataset.withColumn(self.value("prediction_col"), margin)
 
     def predict_numpy(self, X: np.ndarray) -> np.ndarray:
         return np.asarray(X, dtype=np.float64) @ self.coefficients + self.intercept
+
+
+# ``ml.Model.load(path)`` reads any model class by name
+Model._registry["LogisticRegressionModel"] = LogisticRegressionModel  # type: ignore[assignment]
+Model._registry["LinearRegressionModel"] = LinearRegressionModel  # type: ignore[assignment]
