@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ._errors import SessionError
+from ._placement import check_resources
 from ._ray_util import NAMESPACE, force_loopback, is_loopback_address
 
 __all__ = [
@@ -160,6 +161,27 @@ def probe_ray_cluster(address: str, timeout: float = DEFAULT_CONNECT_TIMEOUT) ->
     return gcs
 
 
+def _check_offered(resources: Mapping[str, float], owns_ray: bool) -> None:
+    """Fail at session start, not at the first iteration, on a resource nobody offers."""
+    import ray
+
+    offered: dict[str, float] = {}
+    for node in ray.nodes():
+        if node.get("Alive"):
+            for name, amount in node.get("Resources", {}).items():
+                offered[name] = max(offered.get(name, 0.0), amount)
+    missing = {k: v for k, v in resources.items() if offered.get(k, 0.0) < v}
+    if missing:
+        if owns_ray:
+            ray.shutdown()
+        raise SessionError(
+            f"coordinator_resources {missing}: no live node of the Ray cluster offers that "
+            f"much (nodes offer {sorted(k for k in offered if not k.startswith('node:'))}); "
+            f"give a node the resource (`ray start --resources`, KubeRay "
+            f"rayStartParams.resources) or change coordinator_resources"
+        )
+
+
 def _join_ray(address: str, connect_timeout: float) -> None:
     """``ray.init`` to an existing cluster, after the probe; Ray's errors as SessionError."""
     import ray
@@ -254,10 +276,16 @@ class Session:
         owns_spark: bool = False,
         owns_ray: bool = False,
         kind: str = "attach",
+        coordinator_resources: Mapping[str, float] | None = None,
     ) -> None:
         self.spark = spark
         self.ray_address = ray_address
         self.kind = kind
+        #: Ray resources for the coordinator and PS shards (``None``: the head node when
+        #: the cluster has several nodes; see ``hybrid_iter._placement``).
+        self.coordinator_resources = (
+            None if coordinator_resources is None else dict(coordinator_resources)
+        )
         self._owns_spark = owns_spark
         self._owns_ray = owns_ray
         self._stopped = False
@@ -345,6 +373,7 @@ class Session:
         spark_conf: Mapping[str, str] | None = None,
         executor_wait_seconds: float = 120.0,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        coordinator_resources: Mapping[str, float] | None = None,
     ) -> Session:
         """Spark on Ray through RayDP: executors are Ray actors, the driver is here.
 
@@ -361,8 +390,13 @@ class Session:
         executors (they bind to the Ray node's address), and the Spark driver. Returns
         once every executor has registered (at most ``executor_wait_seconds``). It must
         be the first Spark of the process (RayDP's jars go on the driver JVM's classpath
-        when it starts).
+        when it starts). ``coordinator_resources``: Ray resources the coordinator and
+        parameter-server shards ask for (default: the head node; ``{}``: any node).
         """
+        if coordinator_resources is not None:
+            coordinator_resources = check_resources(
+                coordinator_resources, "Session.raydp(coordinator_resources)"
+            )
         for name, v in (("num_executors", num_executors), ("executor_cores", executor_cores)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise SessionError(f"Session.raydp({name}) must be an int >= 1, got {v!r}")
@@ -408,6 +442,8 @@ class Session:
                 )
             else:
                 _join_ray(gcs_target, connect_timeout)
+        if coordinator_resources:
+            _check_offered(coordinator_resources, owns_ray)
         gcs = ray.get_runtime_context().gcs_address
         try:
             import raydp
@@ -438,7 +474,14 @@ class Session:
                 ray.shutdown()
             raise SessionError(f"RayDP could not start Spark on Ray: {ex}") from ex
         spark.sparkContext.setLogLevel("ERROR")
-        session = cls(spark, gcs, owns_spark=True, owns_ray=owns_ray, kind="raydp")
+        session = cls(
+            spark,
+            gcs,
+            owns_spark=True,
+            owns_ray=owns_ray,
+            kind="raydp",
+            coordinator_resources=coordinator_resources,
+        )
         session._wait_for_slots(num_executors * executor_cores, executor_wait_seconds)
         return session
 
@@ -449,15 +492,21 @@ class Session:
         ray_address: str | None = None,
         *,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        coordinator_resources: Mapping[str, float] | None = None,
     ) -> Session:
         """Use a running SparkSession and Ray cluster; stops neither on exit.
 
         ``ray_address``: the cluster's GCS address (``host:port``) that Spark tasks can
         reach; ``None`` uses the Ray instance this driver is already connected to. An
         unreachable or token-protected cluster is a ``SessionError`` within about
-        ``connect_timeout`` seconds.
+        ``connect_timeout`` seconds. ``coordinator_resources`` as in ``raydp``.
         """
         from pyspark.sql import SparkSession
+
+        if coordinator_resources is not None:
+            coordinator_resources = check_resources(
+                coordinator_resources, "Session.attach(coordinator_resources)"
+            )
 
         if not isinstance(spark, SparkSession):
             raise SessionError(
@@ -479,7 +528,16 @@ class Session:
         address = (
             ray.get_runtime_context().gcs_address if ray_address in (None, "auto") else ray_address
         )
-        return cls(spark, address, owns_spark=False, owns_ray=owns_ray, kind="attach")
+        if coordinator_resources:
+            _check_offered(coordinator_resources, owns_ray)
+        return cls(
+            spark,
+            address,
+            owns_spark=False,
+            owns_ray=owns_ray,
+            kind="attach",
+            coordinator_resources=coordinator_resources,
+        )
 
     # -- lifecycle ----------------------------------------------------------------------
 

@@ -455,8 +455,13 @@ def launch_shards(
     import ray
 
     run_id = uuid.uuid4().hex[:12]
+    from .._placement import coordinator_actor_options  # the head node, unless configured
+
     shard_cls = ray.remote(
-        num_cpus=0, max_restarts=0, max_concurrency=max(1000, 4 * num_workers + 16)
+        num_cpus=0,
+        max_restarts=0,
+        max_concurrency=max(1000, 4 * num_workers + 16),
+        **coordinator_actor_options(),
     )(ParameterShard)
     names = [f"hybrid_iter.ps.{run_id}.shard{i}" for i in range(len(bounds) - 1)]
     handles: list[Any] = []
