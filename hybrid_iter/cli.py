@@ -8,21 +8,21 @@
 ``HYBRID_ITER_*`` environment variable (what a pod spec or a RayJob's runtime env sets),
 then the default::
 
-    --session local|raydp      HYBRID_ITER_SESSION                local
-    --ray-address ADDR         HYBRID_ITER_RAY_ADDRESS, RAY_ADDRESS  raydp: local = embedded Ray
-    --connect-timeout-seconds S HYBRID_ITER_CONNECT_TIMEOUT_SECONDS raydp: 30
-    --parallelism N            HYBRID_ITER_PARALLELISM            local: every core
-    --executors N              HYBRID_ITER_EXECUTORS              raydp: 1
-    --executor-cores N         HYBRID_ITER_EXECUTOR_CORES         raydp: 1
-    --executor-memory SIZE     HYBRID_ITER_EXECUTOR_MEMORY        raydp: 1g
-    --executor-wait-seconds S  HYBRID_ITER_EXECUTOR_WAIT_SECONDS  raydp: 120
-    --driver-memory SIZE       HYBRID_ITER_DRIVER_MEMORY          Spark's / Session's default
-    --app-name NAME            HYBRID_ITER_APP_NAME               hybrid_iter
-    --conf KEY=VALUE ...       HYBRID_ITER_SPARK_CONF             Spark properties
-    --param NAME=VALUE ...     HYBRID_ITER_PARAMS                 FUNCTION's keyword arguments
-    --output PATH              HYBRID_ITER_OUTPUT                 also write the result there
-    --plot PATH                HYBRID_ITER_PLOT                   PNG of the returned run(s)' loss
-    --log-level LEVEL          HYBRID_ITER_LOG_LEVEL              WARNING
+    --session local|raydp        HYBRID_ITER_SESSION                  local
+    --ray-address ADDR           HYBRID_ITER_RAY_ADDRESS, RAY_ADDRESS raydp: local (embedded)
+    --connect-timeout-seconds S  HYBRID_ITER_CONNECT_TIMEOUT_SECONDS  raydp: 30
+    --parallelism N              HYBRID_ITER_PARALLELISM              local: every core
+    --executors N                HYBRID_ITER_EXECUTORS                raydp: 1
+    --executor-cores N           HYBRID_ITER_EXECUTOR_CORES           raydp: 1
+    --executor-memory SIZE       HYBRID_ITER_EXECUTOR_MEMORY          raydp: 1g
+    --executor-wait-seconds S    HYBRID_ITER_EXECUTOR_WAIT_SECONDS    raydp: 120
+    --driver-memory SIZE         HYBRID_ITER_DRIVER_MEMORY            Spark's / Session's default
+    --app-name NAME              HYBRID_ITER_APP_NAME                 hybrid_iter
+    --conf KEY=VALUE ...         HYBRID_ITER_SPARK_CONF               Spark properties
+    --param NAME=VALUE ...       HYBRID_ITER_PARAMS                   FUNCTION's keyword arguments
+    --output PATH                HYBRID_ITER_OUTPUT                   also write the result there
+    --plot PATH                  HYBRID_ITER_PLOT                     PNG of the returned run(s)' loss
+    --log-level LEVEL            HYBRID_ITER_LOG_LEVEL                WARNING
 
 ``--ray-address`` falls back to ``HYBRID_ITER_RAY_ADDRESS``, then to Ray's own
 ``RAY_ADDRESS`` (``ray job submit`` sets it for the entrypoint: a submitted job runs on the

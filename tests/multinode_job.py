@@ -273,7 +273,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--executors", type=int, default=2)
     parser.add_argument("--work-dir", required=True)
-    parser.add_argument("--bench-epochs", type=int, default=0, help="also time sync/async epochs")
     args = parser.parse_args(argv)
 
     import ray
@@ -305,8 +304,6 @@ def main(argv: list[str] | None = None) -> int:
         report["driver_node"] = node_of_this_process()
         report["task_slots"] = available_task_slots(spark)
 
-        if args.bench_epochs:
-            report["bench"] = bench(spark, args.bench_epochs)
         r = linreg_big(spark)
         report["linreg"] = summary(r)
         report["linreg_task_nodes"] = sorted(map(tuple, r.outputs["task_node"]))
@@ -343,20 +340,6 @@ def main(argv: list[str] | None = None) -> int:
     report["total_seconds"] = round(time.perf_counter() - t0, 2)
     print(RESULT_PREFIX + json.dumps(report), flush=True)
     return 0
-
-
-def bench(spark: Any, epochs: int) -> dict[str, Any]:
-    """Seconds per epoch of ``linreg_big`` sync and async (staleness 1), after a warm-up."""
-    out: dict[str, Any] = {}
-    linreg_big(spark, epochs=2)  # warm-up: Python workers, imports
-    for label, staleness in (("sync", 0), ("async", 1)):
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            linreg_big(spark, staleness=staleness, epochs=epochs)
-            times.append((time.perf_counter() - t) / epochs)
-        out[label] = times
-    return out
 
 
 if __name__ == "__main__":

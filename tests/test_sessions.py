@@ -130,3 +130,30 @@ def test_describe_says_where_the_session_runs(session):
     assert where["kind"] == "local" and where["ray_address"] == session.ray_address
     assert where["ray_nodes"] == 1 and where["ray_head"] == "127.0.0.1"
     assert where["task_slots"] == SLOTS and where["executors"] == 0
+
+
+def test_coordinator_resources_are_checked_before_anything_runs(session, spark, monkeypatch):
+    with pytest.raises(hi.SessionError, match="'CPU' is not a placement resource"):
+        hi.Session.raydp(coordinator_resources={"CPU": 1})
+    with pytest.raises(hi.SessionError, match=r"coordinator_resources\)\['x'\] must be a number"):
+        hi.Session.attach(spark, coordinator_resources={"x": "1"})
+    # A resource no node offers: an error at session start, not an actor pending forever.
+    with pytest.raises(hi.SessionError, match="no live node of the Ray cluster offers"):
+        hi.Session.attach(spark, coordinator_resources={"hybrid_iter_nowhere": 1})
+    monkeypatch.setenv("HYBRID_ITER_COORDINATOR_RESOURCES", '{"hybrid_iter_nowhere": 1}')
+    with pytest.raises(hi.SessionError, match="HYBRID_ITER_COORDINATOR_RESOURCES"):
+        small_fit(frame(spark, 2))
+    monkeypatch.setenv("HYBRID_ITER_COORDINATOR_RESOURCES", "head")
+    with pytest.raises(hi.SessionError, match="must be a JSON object"):
+        small_fit(frame(spark, 2))
+    assert hi.Session.current() is session
+
+
+def test_the_coordinator_goes_where_coordinator_resources_say(spark):
+    from hybrid_iter import _placement
+
+    assert _placement.coordinator_actor_options() == {}  # one node: nowhere else to go
+    head = {"node:__internal_head__": 0.001}
+    with hi.Session.attach(spark, coordinator_resources=head):
+        assert _placement.coordinator_actor_options() == {"resources": head}
+        assert small_fit(frame(spark, 2)).epochs == 3  # the launch asks for it, and runs
