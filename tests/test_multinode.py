@@ -57,7 +57,7 @@ def _listening(pids: set[int]) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def run() -> dict[str, Any]:
+def run(spark) -> dict[str, Any]:  # the shared session first: it outlives this module
     env = {
         k: v
         for k, v in os.environ.items()
