@@ -121,7 +121,21 @@ class ClusterProcess:
         self.timeout = timeout
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> None:
+    def start(self, attempts: int = 2) -> None:
+        """Start the cluster; on a loaded machine a raylet can miss Ray's fixed 30 s
+        registration window, so a failed start is cleaned up and tried again."""
+        for attempt in range(attempts):
+            try:
+                self._start_once()
+                return
+            except RuntimeError:
+                self._stop_processes()
+                if attempt == attempts - 1:
+                    shutil.rmtree(self.tmp, ignore_errors=True)
+                    raise
+                self.address = f"127.0.0.1:{free_port()}"
+
+    def _start_once(self) -> None:
         spec = self.tmp / "cluster.json"
         port = int(self.address.rsplit(":", 1)[1])
         spec.write_text(
@@ -147,12 +161,10 @@ class ClusterProcess:
         deadline = time.monotonic() + self.timeout
         while f"READY {self.address}" not in log.read_text():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                text = log.read_text()[-4000:]
-                self.stop()
-                raise RuntimeError(f"the Ray cluster did not start:\n{text}")
+                raise RuntimeError(f"the Ray cluster did not start:\n{log.read_text()[-4000:]}")
             time.sleep(0.2)  # polling an external process's readiness
 
-    def stop(self) -> None:
+    def _stop_processes(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)  # the script shuts the cluster down
             try:
@@ -168,6 +180,9 @@ class ClusterProcess:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def stop(self) -> None:
+        self._stop_processes()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
