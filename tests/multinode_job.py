@@ -40,7 +40,7 @@ FEATURES = ["x0", "x1", "x2", "x3"]
 BIG = 200_000  # float64: 1.6 MB, far above the inline limit: the object store
 RESULT_PREFIX = "RESULT "
 PARTITIONS = 2
-EPOCHS = 8
+EPOCHS = 6
 KILL_AT = 3
 
 
@@ -190,7 +190,7 @@ def linreg_big(
 
 def fit_ml(spark: Any) -> Any:
     return ml.LogisticRegression(
-        features_col=FEATURES, label_col="label", max_iter=10, learning_rate=0.8, progress=False
+        features_col=FEATURES, label_col="label", max_iter=5, learning_rate=0.8, progress=False
     ).fit(frame(spark))
 
 
@@ -206,7 +206,7 @@ def train_ps(spark: Any) -> Any:
         linreg_grad,
         {"w": np.zeros(len(FEATURES)), "b": 0.0},
         optimizer=ps.SGD(0.2),
-        epochs=3,
+        epochs=2,
         batch_size=250,
         columns=[*FEATURES, "y"],
         num_shards=2,
