@@ -269,6 +269,8 @@ def iterate_bounded_streams_until_termination(
     # async actor answering more calls than max_concurrency at once would deadlock. With
     # checkpoints Ray restarts a coordinator whose process died; it reloads the newest
     # checkpoint and the relaunched tasks find it again by name.
+    from ._placement import coordinator_actor_options  # the head node, unless configured
+
     actor_cls = ray.remote(
         num_cpus=0,
         max_restarts=config.restarts if checkpoint is not None else 0,
@@ -277,6 +279,7 @@ def iterate_bounded_streams_until_termination(
         # ``busy`` answers on its own event loop thread while the main one is stuck in
         # a coordinator operator (the driver's call_timeout watchdog asks it)
         concurrency_groups={"watch": 1},
+        **coordinator_actor_options(),
     )(IterationCoordinator)
     extra: dict[str, Any] = {"attempts": []}
     attempt, actor, actor_name = 0, None, name

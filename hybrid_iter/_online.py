@@ -901,8 +901,10 @@ def iterate_unbounded_streams(
         progress_tag=cfg.progress_tag,
         checkpoint=checkpoint,
     )
+    from ._placement import coordinator_actor_options  # the head node, unless configured
+
     actor = (
-        ray.remote(num_cpus=0, max_restarts=0)(OnlineCoordinator)
+        ray.remote(num_cpus=0, max_restarts=0, **coordinator_actor_options())(OnlineCoordinator)
         .options(name=name, namespace=NAMESPACE)
         .remote(spec)
     )

@@ -8,17 +8,198 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ._errors import SessionError
+from ._placement import check_resources
 from ._ray_util import NAMESPACE, force_loopback, is_loopback_address
 
-__all__ = ["Session"]
+__all__ = [
+    "ADDRESS_ENV_VARS",
+    "DEFAULT_CONNECT_TIMEOUT",
+    "Session",
+    "check_ray_address",
+    "probe_ray_cluster",
+    "ray_address_from_env",
+]
 
 log = logging.getLogger("hybrid_iter")
+
+#: Where ``Session.raydp(address=None)`` and ``hybrid-iter run --session raydp`` look for
+#: the Ray cluster, in order: ours, then Ray's own (``ray job submit`` sets it for the
+#: entrypoint to the cluster's GCS address).
+ADDRESS_ENV_VARS = ("HYBRID_ITER_RAY_ADDRESS", "RAY_ADDRESS")
+#: Seconds to reach a Ray cluster's GCS before giving up with a SessionError.
+DEFAULT_CONNECT_TIMEOUT = 30.0
+_SUBMIT_HINT = (
+    "run the driver on the cluster instead: `ray job submit --address http://<head>:8265 "
+    "-- hybrid-iter run MODULE:FUNCTION --session raydp` (Ray Jobs set RAY_ADDRESS for it), "
+    "or a KubeRay RayJob"
+)
+_AUTH_HINT = (
+    "the cluster requires Ray token authentication: set RAY_AUTH_MODE=token and the "
+    "cluster's token in RAY_AUTH_TOKEN (or a file named by RAY_AUTH_TOKEN_PATH, default "
+    "~/.ray/auth_token) in this process's environment; on KubeRay the token is key "
+    "auth_token of the Secret named after the RayCluster, and jobs submitted with `ray job "
+    "submit` or a RayJob get it from the head"
+)
+
+
+def check_ray_address(address: str, where: str = "address") -> str:
+    """The address as given, or ``SessionError`` when it cannot work (driver).
+
+    Spark's driver and executors join the cluster's GCS directly: Ray Client addresses
+    (``ray://``) and dashboard URLs (``http://``, what ``ray job submit`` takes) cannot.
+    """
+    text = address.strip()
+    if not text:
+        raise SessionError(f"{where} must not be empty: give host:port of the GCS, auto or local")
+    scheme = text.split("://", 1)[0].lower() if "://" in text else ""
+    if scheme == "ray":
+        raise SessionError(
+            f"{where}={text!r} is a Ray Client address; Spark on Ray needs the driver on a "
+            f"node of the cluster, joining its GCS (host:6379) directly: {_SUBMIT_HINT}"
+        )
+    if scheme in ("http", "https"):
+        raise SessionError(
+            f"{where}={text!r} is a Ray dashboard / job-submission URL, not a GCS address; "
+            f"{_SUBMIT_HINT}"
+        )
+    if scheme:
+        raise SessionError(
+            f"{where}={text!r}: unknown scheme {scheme!r}; give host:port of the GCS, auto or local"
+        )
+    if text not in ("auto", "local"):
+        host, sep, port = text.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise SessionError(
+                f"{where}={text!r} is not host:port of a Ray GCS (e.g. 10.0.0.5:6379), auto "
+                f"(the cluster of this node) or local (an embedded Ray)"
+            )
+    return text
+
+
+def ray_address_from_env(environ: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """``(address, variable)`` from ``HYBRID_ITER_RAY_ADDRESS`` then ``RAY_ADDRESS``."""
+    environ = os.environ if environ is None else environ
+    for name in ADDRESS_ENV_VARS:
+        value = environ.get(name, "").strip()
+        if value:
+            return check_ray_address(value, name), name
+    return None
+
+
+def probe_ray_cluster(address: str, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> str:
+    """Check that a Ray GCS answers at ``address`` and lets this process in (driver).
+
+    Returns the GCS ``host:port`` (``auto`` resolved). Raises ``SessionError`` naming
+    the address and what to check, within about ``timeout`` seconds: ``ray.init`` itself
+    retries an unreachable GCS for minutes and reports a token-protected cluster as a
+    bare ``ConnectionError`` after ~20 s.
+    """
+    deadline = time.monotonic() + timeout
+    from ray._private import services
+
+    if address == "auto":
+        try:
+            gcs = services.canonicalize_bootstrap_address_or_die("auto")
+        except (ConnectionError, ValueError) as ex:
+            raise SessionError(
+                f"Ray address 'auto': no Ray cluster found on this node ({ex}); run on a "
+                f"node of the cluster (where `ray start` ran), or give host:port of its GCS"
+            ) from None
+    else:
+        gcs = address
+    host, _, port = gcs.rpartition(":")
+    host = host.strip("[]")
+    try:
+        with socket.create_connection((host, int(port)), timeout=min(10.0, timeout)):
+            pass
+    except OSError as ex:
+        raise SessionError(
+            f"no Ray cluster reachable at {gcs} ({type(ex).__name__}: {ex}); check the "
+            f"address (host:port of the head's GCS, port 6379 by default; `ray status "
+            f"--address {gcs}` on a cluster node), that the cluster is up, and that no "
+            f"firewall or NetworkPolicy blocks this host"
+        ) from None
+
+    # The GCS client retries in C++ for up to a minute; ask from a thread and stop waiting
+    # at the deadline (the thread ends on its own; it holds nothing of ours).
+    outcome: dict[str, BaseException | None] = {}
+
+    def ask() -> None:
+        try:
+            from ray._raylet import GcsClient
+
+            GcsClient(address=gcs).internal_kv_get(b"hybrid_iter_probe", None, timeout=5)
+            outcome["error"] = None
+        except BaseException as ex:  # reported to the caller below
+            outcome["error"] = ex
+
+    thread = threading.Thread(target=ask, name="hybrid_iter-ray-probe", daemon=True)
+    thread.start()
+    thread.join(max(0.1, deadline - time.monotonic()))
+    if "error" not in outcome:
+        raise SessionError(
+            f"something accepts connections at {gcs} but no Ray GCS answered within "
+            f"{timeout:.0f}s; check that the address is the head's GCS port (6379 by "
+            f"default), not the dashboard (8265) or client (10001) port"
+        )
+    error = outcome["error"]
+    if error is not None:
+        if type(error).__name__ == "AuthenticationError":
+            raise SessionError(f"the Ray cluster at {gcs} refused this driver: {_AUTH_HINT}")
+        raise SessionError(
+            f"the Ray GCS at {gcs} did not answer: {type(error).__name__}: {error}; check "
+            f"that the cluster is healthy (`ray status --address {gcs}`)"
+        ) from None
+    return gcs
+
+
+def _check_offered(resources: Mapping[str, float], owns_ray: bool) -> None:
+    """Fail at session start, not at the first iteration, on a resource nobody offers."""
+    import ray
+
+    offered: dict[str, float] = {}
+    for node in ray.nodes():
+        if node.get("Alive"):
+            for name, amount in node.get("Resources", {}).items():
+                offered[name] = max(offered.get(name, 0.0), amount)
+    missing = {k: v for k, v in resources.items() if offered.get(k, 0.0) < v}
+    if missing:
+        if owns_ray:
+            ray.shutdown()
+        raise SessionError(
+            f"coordinator_resources {missing}: no live node of the Ray cluster offers that "
+            f"much (nodes offer {sorted(k for k in offered if not k.startswith('node:'))}); "
+            f"give a node the resource (`ray start --resources`, KubeRay "
+            f"rayStartParams.resources) or change coordinator_resources"
+        )
+
+
+def _join_ray(address: str, connect_timeout: float) -> None:
+    """``ray.init`` to an existing cluster, after the probe; Ray's errors as SessionError."""
+    import ray
+
+    gcs = probe_ray_cluster(address, connect_timeout)
+    if is_loopback_address(gcs):
+        force_loopback()
+    try:
+        ray.init(address=gcs, namespace=NAMESPACE, logging_level=logging.WARNING)
+    except Exception as ex:
+        hint = (
+            _AUTH_HINT
+            if type(ex).__name__ == "AuthenticationError"
+            else ("a driver must run on a node of the cluster; " + _SUBMIT_HINT)
+        )
+        raise SessionError(
+            f"could not join the Ray cluster at {gcs}: {type(ex).__name__}: {ex}; {hint}"
+        ) from ex
 
 
 def _blas_threads(cores: int, tasks: int) -> str:
@@ -95,10 +276,16 @@ class Session:
         owns_spark: bool = False,
         owns_ray: bool = False,
         kind: str = "attach",
+        coordinator_resources: Mapping[str, float] | None = None,
     ) -> None:
         self.spark = spark
         self.ray_address = ray_address
         self.kind = kind
+        #: Ray resources for the coordinator and PS shards (``None``: the head node when
+        #: the cluster has several nodes; see ``hybrid_iter._placement``).
+        self.coordinator_resources = (
+            None if coordinator_resources is None else dict(coordinator_resources)
+        )
         self._owns_spark = owns_spark
         self._owns_ray = owns_ray
         self._stopped = False
@@ -185,27 +372,65 @@ class Session:
         app_name: str = "hybrid_iter",
         spark_conf: Mapping[str, str] | None = None,
         executor_wait_seconds: float = 120.0,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        coordinator_resources: Mapping[str, float] | None = None,
     ) -> Session:
         """Spark on Ray through RayDP: executors are Ray actors, the driver is here.
 
-        ``address``: a Ray cluster to join (``"auto"`` on a cluster node); ``None``
-        starts an embedded Ray on 127.0.0.1 (the laptop case, and tests) with at least
-        ``num_executors * executor_cores`` CPUs. On a loopback Ray everything binds to
-        127.0.0.1: Ray, RayDP's app master and executors (they bind to the Ray node's
-        address), and the Spark driver. Returns once every executor has registered.
-        It must be the first Spark of the process (RayDP's jars go on the driver JVM's
-        classpath when it starts).
+        ``address``: the Ray cluster to join: ``host:port`` of its GCS, ``"auto"`` (the
+        cluster of this node) or ``"local"`` (an embedded Ray on 127.0.0.1 with at least
+        ``num_executors * executor_cores`` CPUs: the laptop case, and tests). ``None``
+        follows Ray's conventions: ``HYBRID_ITER_RAY_ADDRESS``, then ``RAY_ADDRESS`` (what
+        ``ray job submit`` sets for the entrypoint), else ``"local"``. Ray Client
+        (``ray://``) and dashboard (``http://``) addresses are refused: submit the driver
+        with ``ray job submit`` instead. A cluster that does not answer, or wants a Ray
+        auth token this process lacks, is a ``SessionError`` naming the address and the
+        fix within about ``connect_timeout`` seconds (before any JVM starts). On a
+        loopback Ray everything binds to 127.0.0.1: Ray, RayDP's app master and
+        executors (they bind to the Ray node's address), and the Spark driver. Returns
+        once every executor has registered (at most ``executor_wait_seconds``). It must
+        be the first Spark of the process (RayDP's jars go on the driver JVM's classpath
+        when it starts). ``coordinator_resources``: Ray resources the coordinator and
+        parameter-server shards ask for (default: the head node; ``{}``: any node).
         """
+        if coordinator_resources is not None:
+            coordinator_resources = check_resources(
+                coordinator_resources, "Session.raydp(coordinator_resources)"
+            )
         for name, v in (("num_executors", num_executors), ("executor_cores", executor_cores)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise SessionError(f"Session.raydp({name}) must be an int >= 1, got {v!r}")
-        _check_spark_jvm_for_raydp()
-        _prepare_process_env()
+        for name, t in (
+            ("executor_wait_seconds", executor_wait_seconds),
+            ("connect_timeout", connect_timeout),
+        ):
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+                raise SessionError(f"Session.raydp({name}) must be seconds > 0, got {t!r}")
+        if address is None:
+            found = ray_address_from_env()
+            address = found[0] if found is not None else "local"
+        else:
+            address = check_ray_address(address, "Session.raydp(address)")
         import ray
 
         owns_ray = not ray.is_initialized()
+        gcs_target: str | None = None
+        if address != "local":
+            current = ray.get_runtime_context().gcs_address if not owns_ray else None
+            if current is None or address not in ("auto", current):
+                # Before any JVM or Ray starts: a bad address fails fast and leaves nothing.
+                gcs_target = probe_ray_cluster(address, connect_timeout)
+            if current is not None and gcs_target not in (None, current):
+                raise SessionError(
+                    f"Session.raydp(address={address!r}): this process is already connected "
+                    f"to the Ray cluster at {current}; call ray.shutdown() first, or run in "
+                    f"a fresh process"
+                )
+        _check_spark_jvm_for_raydp()
+        _prepare_process_env()
+
         if owns_ray:
-            if address is None or address == "local":
+            if gcs_target is None:
                 force_loopback()
                 ray.init(
                     address="local",  # our own instance, even if a `ray start` cluster runs
@@ -216,9 +441,9 @@ class Session:
                     logging_level=logging.WARNING,
                 )
             else:
-                if is_loopback_address(address):
-                    force_loopback()
-                ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
+                _join_ray(gcs_target, connect_timeout)
+        if coordinator_resources:
+            _check_offered(coordinator_resources, owns_ray)
         gcs = ray.get_runtime_context().gcs_address
         try:
             import raydp
@@ -249,18 +474,39 @@ class Session:
                 ray.shutdown()
             raise SessionError(f"RayDP could not start Spark on Ray: {ex}") from ex
         spark.sparkContext.setLogLevel("ERROR")
-        session = cls(spark, gcs, owns_spark=True, owns_ray=owns_ray, kind="raydp")
+        session = cls(
+            spark,
+            gcs,
+            owns_spark=True,
+            owns_ray=owns_ray,
+            kind="raydp",
+            coordinator_resources=coordinator_resources,
+        )
         session._wait_for_slots(num_executors * executor_cores, executor_wait_seconds)
         return session
 
     @classmethod
-    def attach(cls, spark: Any, ray_address: str | None = None) -> Session:
+    def attach(
+        cls,
+        spark: Any,
+        ray_address: str | None = None,
+        *,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        coordinator_resources: Mapping[str, float] | None = None,
+    ) -> Session:
         """Use a running SparkSession and Ray cluster; stops neither on exit.
 
         ``ray_address``: the cluster's GCS address (``host:port``) that Spark tasks can
-        reach; ``None`` uses the Ray instance this driver is already connected to.
+        reach; ``None`` uses the Ray instance this driver is already connected to. An
+        unreachable or token-protected cluster is a ``SessionError`` within about
+        ``connect_timeout`` seconds. ``coordinator_resources`` as in ``raydp``.
         """
         from pyspark.sql import SparkSession
+
+        if coordinator_resources is not None:
+            coordinator_resources = check_resources(
+                coordinator_resources, "Session.attach(coordinator_resources)"
+            )
 
         if not isinstance(spark, SparkSession):
             raise SessionError(
@@ -269,23 +515,29 @@ class Session:
         import ray
 
         owns_ray = False
-        if ray_address is not None and ray_address.startswith("ray://"):
-            raise SessionError(
-                "Session.attach(ray_address) needs the GCS address (host:6379) that Spark "
-                "tasks join directly; Ray Client addresses (ray://...) are not supported"
-            )
+        if ray_address is not None:
+            ray_address = check_ray_address(ray_address, "Session.attach(ray_address)")
         if not ray.is_initialized():
-            if ray_address is None:
+            if ray_address is None or ray_address == "local":
                 raise SessionError(
                     "Session.attach: Ray is not running in this process; pass "
                     "ray_address='host:port' of the cluster, or call ray.init() first"
                 )
-            if is_loopback_address(ray_address):
-                force_loopback()
-            ray.init(address=ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)
+            _join_ray(ray_address, connect_timeout)
             owns_ray = True  # we connected this driver; disconnect it, the cluster stays
-        address = ray_address or ray.get_runtime_context().gcs_address
-        return cls(spark, address, owns_spark=False, owns_ray=owns_ray, kind="attach")
+        address = (
+            ray.get_runtime_context().gcs_address if ray_address in (None, "auto") else ray_address
+        )
+        if coordinator_resources:
+            _check_offered(coordinator_resources, owns_ray)
+        return cls(
+            spark,
+            address,
+            owns_spark=False,
+            owns_ray=owns_ray,
+            kind="attach",
+            coordinator_resources=coordinator_resources,
+        )
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -296,6 +548,36 @@ class Session:
             if not s._stopped:
                 return s
         return None
+
+    def describe(self) -> dict[str, Any]:
+        """Where this session runs (driver): the Ray cluster, its nodes, the executors.
+
+        ``{"kind", "ray_address", "ray_nodes", "ray_head", "spark_master", "executors",
+        "spark_hosts", "task_slots"}`` (``spark_hosts``: the driver's and executors'); the CLI prints it before running anything.
+        """
+        import ray
+
+        from spark_ops import available_task_slots
+
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        head = next(
+            (n["NodeManagerAddress"] for n in nodes if "node:__internal_head__" in n["Resources"]),
+            None,
+        )
+        sc = self.spark.sparkContext
+        infos = sc._jsc.sc().statusTracker().getExecutorInfos()  # the driver is one of them
+        hosts = sorted(str(e.host()) for e in infos)
+        executors = sc._jsc.sc().getExecutorIds().size()  # without the driver
+        return {
+            "kind": self.kind,
+            "ray_address": self.ray_address,
+            "ray_nodes": len(nodes),
+            "ray_head": head,
+            "spark_master": sc.master,
+            "executors": executors,
+            "spark_hosts": hosts,
+            "task_slots": available_task_slots(self.spark),
+        }
 
     def _wait_for_slots(self, wanted: int, seconds: float) -> None:
         from spark_ops import available_task_slots

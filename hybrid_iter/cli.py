@@ -8,20 +8,30 @@
 ``HYBRID_ITER_*`` environment variable (what a pod spec or a RayJob's runtime env sets),
 then the default::
 
-    --session local|raydp      HYBRID_ITER_SESSION                local
-    --ray-address ADDR         HYBRID_ITER_RAY_ADDRESS            raydp: None = embedded Ray
-    --parallelism N            HYBRID_ITER_PARALLELISM            local: every core
-    --executors N              HYBRID_ITER_EXECUTORS              raydp: 1
-    --executor-cores N         HYBRID_ITER_EXECUTOR_CORES         raydp: 1
-    --executor-memory SIZE     HYBRID_ITER_EXECUTOR_MEMORY        raydp: 1g
-    --executor-wait-seconds S  HYBRID_ITER_EXECUTOR_WAIT_SECONDS  raydp: 120
-    --driver-memory SIZE       HYBRID_ITER_DRIVER_MEMORY          Spark's / Session's default
-    --app-name NAME            HYBRID_ITER_APP_NAME               hybrid_iter
-    --conf KEY=VALUE ...       HYBRID_ITER_SPARK_CONF             Spark properties
-    --param NAME=VALUE ...     HYBRID_ITER_PARAMS                 FUNCTION's keyword arguments
-    --output PATH              HYBRID_ITER_OUTPUT                 also write the result there
-    --plot PATH                HYBRID_ITER_PLOT                   PNG of the returned run(s)' loss
-    --log-level LEVEL          HYBRID_ITER_LOG_LEVEL              WARNING
+    --session local|raydp        HYBRID_ITER_SESSION                  local
+    --ray-address ADDR           HYBRID_ITER_RAY_ADDRESS, RAY_ADDRESS raydp: local (embedded)
+    --connect-timeout-seconds S  HYBRID_ITER_CONNECT_TIMEOUT_SECONDS  raydp: 30
+    --parallelism N              HYBRID_ITER_PARALLELISM              local: every core
+    --executors N                HYBRID_ITER_EXECUTORS                raydp: 1
+    --executor-cores N           HYBRID_ITER_EXECUTOR_CORES           raydp: 1
+    --executor-memory SIZE       HYBRID_ITER_EXECUTOR_MEMORY          raydp: 1g
+    --executor-wait-seconds S    HYBRID_ITER_EXECUTOR_WAIT_SECONDS    raydp: 120
+    --driver-memory SIZE         HYBRID_ITER_DRIVER_MEMORY            Spark's / Session's default
+    --app-name NAME              HYBRID_ITER_APP_NAME                 hybrid_iter
+    --conf KEY=VALUE ...         HYBRID_ITER_SPARK_CONF               Spark properties
+    --param NAME=VALUE ...       HYBRID_ITER_PARAMS                   FUNCTION's keyword arguments
+    --output PATH                HYBRID_ITER_OUTPUT                   also write the result there
+    --plot PATH                  HYBRID_ITER_PLOT                     PNG of the returned run(s)' loss
+    --log-level LEVEL            HYBRID_ITER_LOG_LEVEL                WARNING
+
+``--ray-address`` falls back to ``HYBRID_ITER_RAY_ADDRESS``, then to Ray's own
+``RAY_ADDRESS`` (``ray job submit`` sets it for the entrypoint: a submitted job runs on the
+cluster it was submitted to), then to ``local``. Ray Client (``ray://``) and dashboard
+(``http://``) addresses are refused with the alternative (``ray job submit``). An
+unreachable cluster, or one that wants a Ray auth token this process lacks, fails within
+about ``--connect-timeout-seconds`` with the address and what to check. Before calling the
+function ``run`` prints one line on stderr saying where it runs (Ray address, nodes,
+executors); the result JSON carries the same under ``"where"``.
 
 ``HYBRID_ITER_SPARK_CONF`` and ``HYBRID_ITER_PARAMS`` hold a JSON object or
 ``KEY=VALUE`` lines; ``--conf``/``--param`` flags override single keys of them. A param
@@ -63,7 +73,8 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from ._errors import HybridIterError
+from ._errors import HybridIterError, SessionError
+from ._session import DEFAULT_CONNECT_TIMEOUT, check_ray_address
 
 __all__ = [
     "RESULT_PREFIX",
@@ -106,6 +117,7 @@ class RunOptions:
     executor_cores: int = 1
     executor_memory: str = "1g"
     executor_wait_seconds: float = 120.0
+    connect_timeout_seconds: float = DEFAULT_CONNECT_TIMEOUT
     driver_memory: str | None = None
     app_name: str = "hybrid_iter"
     spark_conf: Mapping[str, str] = field(default_factory=dict)
@@ -161,15 +173,10 @@ def _session_kind(text: str, where: str) -> str:
 
 
 def _ray_address(text: str, where: str) -> str:
-    address = text.strip()
-    if not address:
-        raise CliError(f"{where} must not be empty: give host:port, auto or local")
-    if address.startswith("ray://"):
-        raise CliError(
-            f"{where}={address!r} is a Ray Client address; Spark tasks join the Ray "
-            f"cluster directly, so give its GCS address (host:6379), or auto on a cluster node"
-        )
-    return address
+    try:
+        return check_ray_address(text, where)
+    except SessionError as ex:
+        raise CliError(str(ex)) from None
 
 
 def _non_empty(text: str, where: str) -> str:
@@ -301,6 +308,14 @@ _OPTIONS = (
         ("raydp",),
         "S",
     ),
+    _Option(
+        "connect_timeout_seconds",
+        "--connect-timeout-seconds",
+        _positive_seconds,
+        "how long to try reaching the Ray cluster before failing",
+        ("raydp",),
+        "S",
+    ),
     _Option("driver_memory", "--driver-memory", _spark_memory, "Spark driver heap", metavar="SIZE"),
     _Option("app_name", "--app-name", _non_empty, "Spark application name", metavar="NAME"),
     _Option("output", "--output", _output_path, "also write the result JSON here", metavar="PATH"),
@@ -393,6 +408,9 @@ def resolve_run_options(args: argparse.Namespace, environ: Mapping[str, str]) ->
         elif environ.get(opt.env, "").strip():
             values[opt.dest] = opt.parse(environ[opt.env], opt.env)
     kind = values.get("session", "local")
+    if kind == "raydp" and "ray_address" not in values and environ.get("RAY_ADDRESS", "").strip():
+        # Ray's convention (what `ray job submit` sets), after our own variable.
+        values["ray_address"] = _ray_address(environ["RAY_ADDRESS"], "RAY_ADDRESS")
     for opt in _OPTIONS:
         if opt.dest in explicit and kind not in opt.sessions:
             raise CliError(
@@ -467,7 +485,8 @@ def _open_session(options: RunOptions) -> Any:
     if options.driver_memory is not None:
         conf.setdefault("spark.driver.memory", options.driver_memory)
     return Session.raydp(
-        address=options.ray_address,
+        address=options.ray_address or "local",
+        connect_timeout=options.connect_timeout_seconds,
         num_executors=options.executors,
         executor_cores=options.executor_cores,
         executor_memory=options.executor_memory,
@@ -575,7 +594,15 @@ def _run(options: RunOptions, *, dry_run: bool) -> int:
             signal.signal(signal.SIGTERM, _raise_on_sigterm)
         with session:
             master = session.spark.sparkContext.master
-            log.info("running %s on %r", options.target, session)
+            where = session.describe()
+            print(
+                f"hybrid-iter: running {options.target} on a {where['kind']} session: Ray "
+                f"{where['ray_address']} ({where['ray_nodes']} node(s), head "
+                f"{where['ray_head']}), Spark {where['spark_master']} with "
+                f"{where['executors']} executor(s), {where['task_slots']} task slot(s)",
+                file=sys.stderr,
+                flush=True,
+            )
             try:
                 value = fn(session, **options.params)
             except Exception as ex:
@@ -586,6 +613,7 @@ def _run(options: RunOptions, *, dry_run: bool) -> int:
             "target": options.target,
             "session": options.session,
             "spark_master": master,
+            "where": where,
             "seconds": round(time.perf_counter() - started, 3),
             "result": _jsonable(value),
         }
@@ -653,7 +681,15 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     try:
         if args.command == "bench":
             return _bench(args)
-        options = resolve_run_options(args, os.environ if environ is None else environ)
+        env = os.environ if environ is None else environ
+        options = resolve_run_options(args, env)
+        if options.session == "local" and env.get("RAY_ADDRESS", "").strip():
+            print(
+                f"hybrid-iter: note: RAY_ADDRESS={env['RAY_ADDRESS'].strip()!r} is set but "
+                f"--session local runs on its own embedded Ray; use --session raydp to run "
+                f"on that cluster",
+                file=sys.stderr,
+            )
         return _run(options, dry_run=args.dry_run)
     except CliError as ex:
         print(f"hybrid-iter: error: {ex}", file=sys.stderr)

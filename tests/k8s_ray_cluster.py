@@ -2,7 +2,8 @@
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 python tests/k8s_ray_cluster.py SPEC.json
 
-SPEC is ``{"temp_dir": DIR, "port": GCS_PORT, "nodes": [NODE, ...]}``; the first NODE is
+SPEC is ``{"temp_dir": DIR, "port": GCS_PORT, "nodes": [NODE, ...]}`` (optionally
+``"system_config": {...}``, Ray's ``_system_config`` of the head); the first NODE is
 the head. A NODE is ``{"ray_start_params": {...}, "env": {...}}``: a pod's
 rayStartParams (the resource ones are applied; ports stay Ray's choice, the machine is
 shared) and its container environment, which becomes the raylet's (and so every Ray
@@ -10,14 +11,25 @@ worker's on that node) as in the pod. The nodes are raylets of this machine star
 with ``ray.cluster_utils.Cluster``, Ray's own multi-node-on-one-host tool: unlike
 ``ray start``, it adds worker nodes while Ray stays on loopback. Prints ``READY
 <gcs address>`` once every node is up, then keeps the cluster until SIGTERM or SIGINT.
+
+``ClusterProcess`` is the test side: it writes the SPEC, starts this script in a process
+group of its own, waits for READY and stops it (then, by PID, whatever carries its tag).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shlex
+import shutil
 import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 from typing import Any
 
 #: rayStartParams that size a node, and how to read them.
@@ -54,6 +66,8 @@ def main(spec_path: str) -> int:
     head, *workers = spec["nodes"]
     head_args = node_args(head, spec["temp_dir"])
     head_args["gcs_server_port"] = spec["port"]
+    if spec.get("system_config"):
+        head_args["_system_config"] = spec["system_config"]
     cluster = Cluster(initialize_head=True, head_node_args=head_args)
     try:
         for worker in workers:
@@ -64,6 +78,112 @@ def main(spec_path: str) -> int:
     finally:
         cluster.shutdown()
     return 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tagged(tag: str) -> list[int]:
+    """PIDs of live processes carrying ``tag`` in their environment (ours only)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if tag.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+class ClusterProcess:
+    """A Ray cluster of several raylets on 127.0.0.1, run by this script in a child
+    process (test side). ``env`` is every node's environment (each process of the
+    cluster carries ``tag`` in it, so that ``stop`` can find stragglers by PID)."""
+
+    def __init__(
+        self,
+        nodes: list[dict[str, Any]],
+        env: dict[str, str],
+        *,
+        system_config: dict[str, Any] | None = None,
+        timeout: float = 180,
+    ) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="hirc-", dir="/tmp"))  # short: socket paths
+        self.tag = f"HYBRID_ITER_TEST_CLUSTER={secrets.token_hex(8)}"
+        self.address = f"127.0.0.1:{free_port()}"
+        self.env = {**env, self.tag.split("=")[0]: self.tag.split("=")[1]}
+        self.nodes = [{**n, "env": {**n.get("env", {}), **self.env}} for n in nodes]
+        self.system_config = system_config or {}
+        self.timeout = timeout
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, attempts: int = 2) -> None:
+        """Start the cluster; on a loaded machine a raylet can miss Ray's fixed 30 s
+        registration window, so a failed start is cleaned up and tried again."""
+        for attempt in range(attempts):
+            try:
+                self._start_once()
+                return
+            except RuntimeError:
+                self._stop_processes()
+                if attempt == attempts - 1:
+                    shutil.rmtree(self.tmp, ignore_errors=True)
+                    raise
+                self.address = f"127.0.0.1:{free_port()}"
+
+    def _start_once(self) -> None:
+        spec = self.tmp / "cluster.json"
+        port = int(self.address.rsplit(":", 1)[1])
+        spec.write_text(
+            json.dumps(
+                {
+                    "temp_dir": str(self.tmp),
+                    "port": port,
+                    "nodes": self.nodes,
+                    "system_config": self.system_config,
+                }
+            )
+        )
+        log = self.tmp / "cluster.log"
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), str(spec)],
+                env=self.env,
+                cwd=self.tmp,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + self.timeout
+        while f"READY {self.address}" not in log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray cluster did not start:\n{log.read_text()[-4000:]}")
+            time.sleep(0.2)  # polling an external process's readiness
+
+    def _stop_processes(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # the script shuts the cluster down
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        deadline = time.monotonic() + 15
+        while (left := tagged(self.tag)) and time.monotonic() < deadline:
+            time.sleep(0.25)  # waiting for processes to exit
+        for pid in left:  # ours for sure: they carry the tag
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        self._stop_processes()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

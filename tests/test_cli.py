@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -76,6 +77,48 @@ def test_flags_override_the_environment_which_overrides_the_defaults():
     flags = resolve([target, "--executors", "8", "--ray-address", "10.0.0.5:6379"], env)
     assert flags.executors == 8 and flags.ray_address == "10.0.0.5:6379"
     assert flags.executor_cores == 2  # still from the environment
+
+
+def test_the_ray_address_follows_rays_conventions():
+    # `ray job submit` sets RAY_ADDRESS for the entrypoint: a submitted job must run on
+    # that cluster, not on an embedded Ray of its own.
+    raydp = [TARGET, "--session", "raydp"]
+    assert resolve(raydp, {"RAY_ADDRESS": "10.0.0.7:6379"}).ray_address == "10.0.0.7:6379"
+    both = {"RAY_ADDRESS": "10.0.0.7:6379", "HYBRID_ITER_RAY_ADDRESS": "10.0.0.8:6379"}
+    assert resolve(raydp, both).ray_address == "10.0.0.8:6379"
+    assert resolve([*raydp, "--ray-address", "local"], both).ray_address == "local"
+    assert resolve(raydp, {}).ray_address is None  # the embedded Ray
+    assert resolve([TARGET], {"RAY_ADDRESS": "10.0.0.7:6379"}).ray_address is None
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the block ends: nothing listens
+
+
+def test_an_unreachable_ray_address_fails_fast_naming_it(capsys):
+    address = f"127.0.0.1:{_closed_port()}"
+    t0 = time.monotonic()
+    assert cli.main(["run", TARGET, "--session", "raydp"], {"RAY_ADDRESS": address}) == 1
+    err = capsys.readouterr().err
+    assert f"no Ray cluster reachable at {address}" in err, err
+    assert "check the address" in err
+    assert time.monotonic() - t0 < 60  # a safety net: Ray alone retries for minutes
+
+
+def test_a_port_that_is_not_a_ray_gcs_fails_within_the_connect_timeout(capsys):
+    with socket.socket() as listener:  # accepts TCP connections, never speaks gRPC
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        argv = ["run", TARGET, "--session", "raydp", "--ray-address", address]
+        t0 = time.monotonic()
+        assert cli.main([*argv, "--connect-timeout-seconds", "3"], {}) == 1
+        seconds = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert f"something accepts connections at {address} but no Ray GCS answered" in err, err
+    assert seconds < 60  # a safety net only
 
 
 def test_spark_conf_and_params_merge_the_environment_then_the_flags():
@@ -161,6 +204,23 @@ BAD = [
         "is a Ray Client address",
     ),
     ([TARGET, "--session", "raydp", "--ray-address", " "], {}, "--ray-address must not be empty"),
+    (
+        [TARGET, "--session", "raydp"],
+        {"RAY_ADDRESS": "ray://head:10001"},
+        "RAY_ADDRESS='ray://head:10001' is a Ray Client address",
+    ),
+    (
+        [TARGET, "--session", "raydp"],
+        {"RAY_ADDRESS": "http://head:8265"},
+        "is a Ray dashboard / job-submission URL, not a GCS address; run the driver on the "
+        "cluster instead: `ray job submit",
+    ),
+    ([TARGET, "--session", "raydp", "--ray-address", "head"], {}, "is not host:port of a Ray GCS"),
+    (
+        [TARGET, "--session", "raydp", "--connect-timeout-seconds", "0"],
+        {},
+        "--connect-timeout-seconds must be a number of seconds > 0",
+    ),
     (
         [TARGET, "--session", "raydp", "--executor-wait-seconds", "-5"],
         {},

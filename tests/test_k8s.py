@@ -5,7 +5,7 @@
   ``kubectl apply -k`` would; no cluster is contacted.
 * Schemas: Kubernetes objects against ``kubernetes-validate``'s strict schemas (oldest
   supported and newest version); RayCluster and RayJob against the KubeRay CRDs'
-  ``openAPIV3Schema`` (``../shared/k8s-crds``), closed the way the API server's strict
+  ``openAPIV3Schema`` (shipped in ``tests/data/k8s-crds``), closed the way the API server's strict
   field validation closes them (an unknown field is an error, not silently pruned); the
   pod templates inside them against Kubernetes' strict PodTemplateSpec.
 * The KubeRay operator's own admission rules that these manifests touch, security
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import gzip
+import hashlib
 import ipaddress
 import json
 import os
@@ -53,7 +55,8 @@ BUILDS = {
     "laptop": K8S / "overlays" / "laptop",
     "production": K8S / "overlays" / "production",
 }
-CRDS = Path(os.environ.get("HYBRID_ITER_KUBERAY_CRDS", ROOT.parent / "shared" / "k8s-crds"))
+#: The KubeRay CRDs, shipped with the tests (tests/data/k8s-crds/README.md: source, license).
+CRDS = Path(os.environ.get("HYBRID_ITER_KUBERAY_CRDS", ROOT / "tests" / "data" / "k8s-crds"))
 #: The oldest Kubernetes these manifests claim (NetworkPolicy endPort, Pod Security
 #: Admission and the safe ip_local_port_range sysctl are all older) and the newest one
 #: kubernetes-validate knows.
@@ -204,10 +207,10 @@ def quantity(text: str | int | float) -> float:
 def test_every_build_renders_the_whole_stack_in_its_own_namespace(builds):
     for name, docs in builds.items():
         kinds = sorted(d["kind"] for d in docs)
-        expected = ["Namespace", "NetworkPolicy", "NetworkPolicy", "NetworkPolicy", "RayCluster"]
+        expected = ["Namespace", *["NetworkPolicy"] * 8, "RayCluster"]
         expected += ["RayJob", "ServiceAccount", "ServiceAccount"]
         if name == "production":
-            expected += ["Role", "RoleBinding"]
+            expected += ["NetworkPolicy", "Role", "RoleBinding"]
         assert kinds == sorted(expected), (name, kinds)
         namespace = one(docs, "Namespace")["metadata"]["name"]
         assert namespace not in ("default", "kube-system")
@@ -254,13 +257,16 @@ def test_kubernetes_objects_and_pod_templates_match_the_strict_kubernetes_schema
 
 @functools.cache
 def _crd_schema(kind: str) -> dict[str, Any]:
-    path = CRDS / f"ray.io_{kind.lower()}s.yaml"
-    if not path.is_file():
+    name = f"ray.io_{kind.lower()}s.yaml"
+    found = [p for p in (CRDS / name, CRDS / f"{name}.gz") if p.is_file()]
+    if not found:  # never a silent skip: the schema check is part of the suite
         pytest.fail(
-            f"KubeRay CRD {path} not found; the tests expect ../shared/k8s-crds beside the "
-            f"repository, or HYBRID_ITER_KUBERAY_CRDS pointing to a copy"
+            f"KubeRay CRD {name}(.gz) not found in {CRDS}; the repository ships it in "
+            f"tests/data/k8s-crds (HYBRID_ITER_KUBERAY_CRDS points to another copy)"
         )
-    crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    path = found[0]
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    crd = yaml.load(raw, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     assert version["served"] and version["storage"]
     return version["schema"]["openAPIV3Schema"]
@@ -495,10 +501,60 @@ def test_rbac_is_least_privilege(builds):
         for pod in pods:
             sa = pod.spec["serviceAccountName"]
             assert sa in accounts, (name, pod.role)
-            token = pod.spec["automountServiceAccountToken"]
-            assert token is (pod.role == "head" and autoscaling), (name, pod.role)
+            # No pod mounts its account's token; the autoscaler gets it by a projected
+            # volume of its own (test_only_the_autoscaler_container_holds_an_api_token).
+            assert pod.spec["automountServiceAccountToken"] is False, (name, pod.role)
             if pod.role != "head":
                 assert sa != head_sa, f"{name}: {pod.role} shares the head's account"
+
+
+def _token_volumes(pod: PodTemplate) -> dict[str, dict[str, Any]]:
+    """Volumes of the pod that carry an API credential (a projected token, a secret)."""
+    found = {}
+    for volume in pod.spec.get("volumes", []):
+        sources = volume.get("projected", {}).get("sources", [])
+        if "secret" in volume or any("serviceAccountToken" in src for src in sources):
+            found[volume["name"]] = volume
+    return found
+
+
+def test_only_the_autoscaler_container_holds_an_api_token(builds):
+    """k8s/README.md: the autoscaler is the only container with an API token; ray-head,
+    which runs the jobs' code, has none (nor do the workers and the submitter)."""
+    for name, docs in builds.items():
+        rc = one(docs, "RayCluster")["spec"]
+        for pod in pod_templates(docs):
+            where = f"{name} {pod.role} pod"
+            assert pod.spec["automountServiceAccountToken"] is False, where
+            tokens = _token_volumes(pod)
+            for c in pod.spec["containers"] + pod.spec.get("initContainers", []):
+                mounts = c.get("volumeMounts", [])
+                assert not {m["name"] for m in mounts} & set(tokens), f"{where} {c['name']}"
+                assert not any(m["mountPath"].startswith("/var/run/secrets") for m in mounts)
+                for var in c.get("env", []):  # nor a credential through the environment
+                    assert "secretKeyRef" not in var.get("valueFrom", {}), (where, var["name"])
+            if pod.role != "head" or not rc.get("enableInTreeAutoscaling"):
+                assert not tokens, where
+                continue
+            # The autoscaler (KubeRay adds it to the head pod from autoscalerOptions)
+            # mounts the one token volume, read-only, where Ray's KubeRay provider reads it.
+            (volume,) = tokens.values()
+            (mount,) = [
+                m for m in rc["autoscalerOptions"]["volumeMounts"] if m["name"] == volume["name"]
+            ]
+            assert mount == {
+                "name": volume["name"],
+                "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+                "readOnly": True,
+            }
+            sources = volume["projected"]["sources"]
+            (sa,) = [src["serviceAccountToken"] for src in sources if "serviceAccountToken" in src]
+            assert sa["path"] == "token" and sa["expirationSeconds"] <= 3600
+            assert "audience" not in sa  # the API server's own audience
+            assert {"key": "ca.crt", "path": "ca.crt"} in next(
+                src["configMap"]["items"] for src in sources if "configMap" in src
+            )
+            assert volume["projected"]["defaultMode"] & 0o007 == 0, "not world-readable"
 
 
 # -- network policy -----------------------------------------------------------------------------
@@ -704,6 +760,123 @@ def test_pods_narrow_the_ephemeral_range_to_the_admitted_one(builds):
             assert all(p < low or p > high for p in spark_ports), name
 
 
+METADATA_ADDRESSES = ("169.254.169.254", "fd00:ec2::254", "169.254.170.2")
+KUBE_DNS = Pod("coredns", "kube-system", {"k8s-app": "kube-dns"})
+PUBLIC_OBJECT_STORE = "52.216.0.10"  # an S3 address
+API_SERVER = "10.0.0.1"
+
+
+def egress_admitted(
+    policies: list[dict[str, Any]],
+    source: Pod,
+    dest: Pod | str,
+    port: int,
+    protocol: str = "TCP",
+) -> bool:
+    """Kubernetes NetworkPolicy egress semantics for one connection to a pod or an IP
+    outside the cluster's pods."""
+    selecting = [
+        p
+        for p in policies
+        if p["metadata"]["namespace"] == source.namespace
+        and "Egress" in p["spec"].get("policyTypes", [])
+        and _selects(p["spec"]["podSelector"], source.labels)
+    ]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("egress", []):
+            peers = rule.get("to")
+            if peers is None:
+                peer_ok = True
+            elif isinstance(dest, Pod):
+                peer_ok = any(
+                    "ipBlock" not in peer
+                    and (
+                        _selects(peer["namespaceSelector"], dest.namespace_labels)
+                        if "namespaceSelector" in peer
+                        else dest.namespace == source.namespace
+                    )
+                    and _selects(peer.get("podSelector", {}), dest.labels)
+                    for peer in peers
+                )
+            else:
+                ip = ipaddress.ip_address(dest)
+                peer_ok = any(
+                    "ipBlock" in peer
+                    and ip.version == ipaddress.ip_network(peer["ipBlock"]["cidr"]).version
+                    and ip in ipaddress.ip_network(peer["ipBlock"]["cidr"])
+                    and not any(
+                        ip.version == ipaddress.ip_network(e).version
+                        and ip in ipaddress.ip_network(e)
+                        for e in peer["ipBlock"].get("except", [])
+                    )
+                    for peer in peers
+                )
+            ports = rule.get("ports")
+            port_ok = ports is None or any(
+                p.get("protocol", "TCP") == protocol
+                and ("port" not in p or p["port"] <= port <= p.get("endPort", p["port"]))
+                for p in ports
+            )
+            if peer_ok and port_ok:
+                return True
+    return False
+
+
+def test_egress_is_denied_but_for_dns_the_cluster_and_https_never_the_metadata_service(builds):
+    """k8s/README.md, "Network": what each pod may reach, and the metadata address never."""
+    for name, docs in builds.items():
+        namespace = one(docs, "Namespace")["metadata"]["name"]
+        policies = of_kind(docs, "NetworkPolicy")
+        for p in policies:
+            for rule in p["spec"].get("egress", []):
+                assert rule.get("to"), f"{name}: {p['metadata']['name']} allows any destination"
+                for peer in rule["to"]:
+                    block = peer.get("ipBlock")
+                    if block is None:
+                        continue
+                    net = ipaddress.ip_network(block["cidr"])
+                    for address in METADATA_ADDRESSES:
+                        ip = ipaddress.ip_address(address)
+                        if ip.version == net.version and ip in net:
+                            assert any(
+                                ip in ipaddress.ip_network(e) for e in block.get("except", [])
+                            ), (name, p["metadata"]["name"], address)
+        templates = pod_templates(docs)
+        job_name = one(docs, "RayJob")["metadata"]["name"]
+        pods = {t.role: kuberay_pod(namespace, t, job_name) for t in templates}
+        head, worker, submitter = pods["head"], pods["worker"], pods["submitter"]
+        autoscaling = bool(one(docs, "RayCluster")["spec"].get("enableInTreeAutoscaling"))
+        for source in (head, worker, submitter):
+            where = (name, source.name)
+            for address in METADATA_ADDRESSES:
+                for port in (80, 443, 53, 6379, 6443, 8080):
+                    assert not egress_admitted(policies, source, address, port), (*where, address)
+            assert egress_admitted(policies, source, KUBE_DNS, 53, "UDP"), where
+            assert egress_admitted(policies, source, KUBE_DNS, 53, "TCP"), where
+            assert not egress_admitted(policies, source, KUBE_DNS, 8080), where
+            assert not egress_admitted(policies, source, "8.8.8.8", 53, "UDP"), where
+            stranger = Pod("other-app", namespace, {"app": "notebook"})
+            assert not egress_admitted(policies, source, stranger, 8080), where
+        for source in (head, worker):  # Ray and Spark between the cluster's pods, data
+            for dest in (head, worker):
+                for port in (6379, 6380, 7078, 10002, 20000, 52365):
+                    assert egress_admitted(policies, source, dest, port), (name, source.name, port)
+            assert egress_admitted(policies, source, PUBLIC_OBJECT_STORE, 443), source.name
+            for port in (22, 80, 3306):
+                assert not egress_admitted(policies, source, PUBLIC_OBJECT_STORE, port), port
+        # The submitter reaches the head's job API and nothing else of the cluster.
+        assert egress_admitted(policies, submitter, head, 8265)
+        assert not egress_admitted(policies, submitter, head, 6379)
+        assert not egress_admitted(policies, submitter, worker, 6380)
+        assert not egress_admitted(policies, submitter, PUBLIC_OBJECT_STORE, 443)
+        # The API server (6443) and Redis only for the production head (autoscaler, GCS).
+        for port in (6443, 6379):
+            assert egress_admitted(policies, head, API_SERVER, port) is autoscaling, (name, port)
+            assert not egress_admitted(policies, worker, API_SERVER, port), (name, port)
+
+
 # -- sizing -------------------------------------------------------------------------------------
 
 
@@ -813,17 +986,75 @@ def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
     return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
 
 
+def _lock_entries() -> dict[str, tuple[str, list[str]]]:
+    """``name -> (version, sha256 hashes)`` of requirements.lock (pip's hash format:
+    ``name==version \\`` then ``--hash=sha256:...`` continuation lines)."""
+    text = (IMAGE / "requirements.lock").read_text()
+    lines, current = [], ""
+    for raw in text.splitlines():
+        line = re.sub(r"(^|\s)#.*$", "", raw).strip()  # comments, also pip-tools' "# via"
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        current += line
+        if current.strip():
+            lines.append(current.strip())
+        current = ""
+    entries: dict[str, tuple[str, list[str]]] = {}
+    for line in lines:
+        requirement, *options = line.split()
+        name, sep, version = requirement.partition("==")
+        assert sep and re.fullmatch(r"[0-9][0-9A-Za-z.+!-]*", version), f"not pinned: {line}"
+        hashes = []
+        for option in options:
+            m = re.fullmatch(r"--hash=sha256:([0-9a-f]{64})", option)
+            assert m, f"{name}: unexpected {option!r} (only --hash=sha256:... may follow)"
+            hashes.append(m.group(1))
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        assert key not in entries, f"{key} twice"
+        entries[key] = (version, hashes)
+    return entries
+
+
 def _lock() -> dict[str, str]:
-    pins = {}
-    for line in (IMAGE / "requirements.lock").read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            name, sep, version = line.partition("==")
-            assert sep and re.fullmatch(r"[0-9][0-9A-Za-z.+!-]*", version), f"not pinned: {line}"
-            key = re.sub(r"[-_.]+", "-", name).lower()
-            assert key not in pins, f"{key} twice"
-            pins[key] = version
-    return pins
+    return {name: version for name, (version, _) in _lock_entries().items()}
+
+
+def test_the_lock_pins_every_package_with_hashes_and_the_build_requires_them():
+    """k8s/README.md: every Python package of the image is pinned with its sha256, and
+    the build installs them with --require-hashes (pip refuses any other file)."""
+    entries = _lock_entries()
+    assert len(entries) >= 40
+    for name, (_, hashes) in entries.items():
+        assert hashes, f"{name} has no --hash"
+        assert len(set(hashes)) == len(hashes), name
+    steps = dockerfile_instructions(IMAGE / "Dockerfile")
+    (install,) = [a for i, a in steps if i == "RUN" and "requirements.lock" in a]
+    assert "--require-hashes" in install and "--no-deps" in install, install
+
+
+def test_production_images_are_pinned_by_digest(builds):
+    """k8s/README.md, "Production": the images there are referenced by digest."""
+    for pod in pod_templates(builds["production"]):
+        image = pod.container["image"]
+        assert re.fullmatch(r"[a-z0-9.-]+(/[a-z0-9._-]+)+@sha256:[0-9a-f]{64}", image), image
+    for name in ("base", "laptop"):  # local builds, loaded into kind by tag
+        for pod in pod_templates(builds[name]):
+            assert pod.container["image"] == "hybrid-iter:0.1.0", (name, pod.role)
+
+
+def test_the_shipped_crds_are_the_ones_their_readme_names():
+    readme = (ROOT / "tests" / "data" / "k8s-crds" / "README.md").read_text()
+    assert "Apache License 2.0" in readme and "ray-project/kuberay" in readme
+    assert "Apache License" in (ROOT / "tests" / "data" / "k8s-crds" / "LICENSE").read_text()
+    sums = dict(
+        (name, digest)
+        for digest, name in re.findall(r"([0-9a-f]{64})  (ray\.io_\w+\.yaml)", readme)
+    )
+    assert set(sums) == {"ray.io_rayclusters.yaml", "ray.io_rayjobs.yaml"}
+    for name, digest in sums.items():
+        raw = gzip.decompress((ROOT / "tests" / "data" / "k8s-crds" / f"{name}.gz").read_bytes())
+        assert hashlib.sha256(raw).hexdigest() == digest, name
 
 
 def test_image_base_is_pinned_and_the_final_stage_is_non_root_without_build_tools():
@@ -854,7 +1085,8 @@ def test_image_base_is_pinned_and_the_final_stage_is_non_root_without_build_tool
     copies = [a for i, a in final if i == "COPY"]
     assert any(c.startswith("--from=builder /opt/venv") for c in copies)
     builder_runs = " ".join(a for i, a in steps[: stages[-1]] if i == "RUN")
-    assert "--no-deps --requirement" in builder_runs and "pip check" in builder_runs
+    assert "--no-deps" in builder_runs and "--requirement" in builder_runs
+    assert "pip check" in builder_runs
 
 
 def test_image_recipe_holds_no_secrets_and_its_context_is_an_allow_list():

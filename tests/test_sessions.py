@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
+import pytest
 from conftest import SLOTS
 from ops import GradientDescent, LinRegPartition
 
@@ -83,3 +86,74 @@ def test_large_variables_go_through_the_object_store_once_per_version(spark):
     # one put per version, shared by both subtasks (not one per subtask)
     assert result.extra["object_store_puts"] == 5
     assert float(result.variables["w"][0]) == 4.0
+
+
+def _closed_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens once the block ends
+
+
+def test_raydp_reads_hybrid_iter_ray_address_then_ray_address(session, monkeypatch):
+    # Before any JVM starts (this process already runs Spark): the address is checked
+    # first, and RAY_ADDRESS (what `ray job submit` sets) is honoured.
+    ours, rays = _closed_address(), _closed_address()
+    monkeypatch.delenv("HYBRID_ITER_RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_ADDRESS", rays)
+    with pytest.raises(hi.SessionError, match=f"no Ray cluster reachable at {rays}"):
+        hi.Session.raydp(connect_timeout=20)
+    monkeypatch.setenv("HYBRID_ITER_RAY_ADDRESS", ours)
+    with pytest.raises(hi.SessionError, match=f"no Ray cluster reachable at {ours}"):
+        hi.Session.raydp(connect_timeout=20)
+    assert hi.Session.current() is session
+
+
+@pytest.mark.parametrize(
+    "address, message",
+    [
+        ("ray://head:10001", "is a Ray Client address.*`ray job submit --address"),
+        ("http://head:8265", "dashboard / job-submission URL.*`ray job submit"),
+        ("head", "not host:port of a Ray GCS"),
+    ],
+)
+def test_addresses_spark_on_ray_cannot_use_are_refused_with_the_alternative(
+    spark, address, message
+):
+    with pytest.raises(hi.SessionError, match=message):
+        hi.Session.raydp(address=address)
+    with pytest.raises(hi.SessionError, match=message):
+        hi.Session.attach(spark, address)
+
+
+def test_describe_says_where_the_session_runs(session):
+    where = session.describe()
+    assert where["kind"] == "local" and where["ray_address"] == session.ray_address
+    assert where["ray_nodes"] == 1 and where["ray_head"] == "127.0.0.1"
+    assert where["task_slots"] == SLOTS and where["executors"] == 0
+
+
+def test_coordinator_resources_are_checked_before_anything_runs(session, spark, monkeypatch):
+    with pytest.raises(hi.SessionError, match="'CPU' is not a placement resource"):
+        hi.Session.raydp(coordinator_resources={"CPU": 1})
+    with pytest.raises(hi.SessionError, match=r"coordinator_resources\)\['x'\] must be a number"):
+        hi.Session.attach(spark, coordinator_resources={"x": "1"})
+    # A resource no node offers: an error at session start, not an actor pending forever.
+    with pytest.raises(hi.SessionError, match="no live node of the Ray cluster offers"):
+        hi.Session.attach(spark, coordinator_resources={"hybrid_iter_nowhere": 1})
+    monkeypatch.setenv("HYBRID_ITER_COORDINATOR_RESOURCES", '{"hybrid_iter_nowhere": 1}')
+    with pytest.raises(hi.SessionError, match="HYBRID_ITER_COORDINATOR_RESOURCES"):
+        small_fit(frame(spark, 2))
+    monkeypatch.setenv("HYBRID_ITER_COORDINATOR_RESOURCES", "head")
+    with pytest.raises(hi.SessionError, match="must be a JSON object"):
+        small_fit(frame(spark, 2))
+    assert hi.Session.current() is session
+
+
+def test_the_coordinator_goes_where_coordinator_resources_say(spark):
+    from hybrid_iter import _placement
+
+    assert _placement.coordinator_actor_options() == {}  # one node: nowhere else to go
+    head = {"node:__internal_head__": 0.001}
+    with hi.Session.attach(spark, coordinator_resources=head):
+        assert _placement.coordinator_actor_options() == {"resources": head}
+        assert small_fit(frame(spark, 2)).epochs == 3  # the launch asks for it, and runs

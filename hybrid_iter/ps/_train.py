@@ -458,12 +458,17 @@ def launch_shards(
     import ray
 
     run_id = uuid.uuid4().hex[:12]
+    from .._placement import coordinator_actor_options  # the head node, unless configured
+
     # sync mode: an asyncio actor whose pulls wait for a step; async mode: a plain actor,
     # one call at a time with no event loop in between (nothing ever waits there)
     concurrency = max(1000, 4 * num_workers + 16) if sync else 1
-    shard_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=concurrency)(
-        shard_class(sync)
-    )
+    shard_cls = ray.remote(
+        num_cpus=0,
+        max_restarts=0,
+        max_concurrency=concurrency,
+        **coordinator_actor_options(),
+    )(shard_class(sync))
     names = [f"hybrid_iter.ps.{run_id}.shard{i}" for i in range(len(bounds) - 1)]
     handles: list[Any] = []
     try:

@@ -1,0 +1,129 @@
+"""Where the long-lived actors go: the coordinator, the online coordinator, PS shards.
+
+Runs on the driver, when an actor is launched. Those actors hold the run's state (the
+variables, the epoch, the parameter shards); a Spark executor lost with its node is
+replaced and its task retried, but losing the node that hosts the coordinator loses the
+run (or, with checkpoints, costs a restore). So they go to the Ray *head* node, which a
+cluster cannot lose without losing everything anyway, unless told otherwise:
+
+1. ``coordinator_resources`` of the current ``Session`` (``Session.raydp(...,
+   coordinator_resources={...})`` / ``Session.attach``), else the environment variable
+   ``HYBRID_ITER_COORDINATOR_RESOURCES`` (a JSON object; ``{}`` means anywhere): Ray
+   custom resources the actors ask for, a small fraction each;
+2. else, when a live node advertises the custom resource ``hybrid_iter_head`` (the
+   manifests in ``k8s/`` set it on the head: ``rayStartParams.resources``), that one;
+3. else Ray's own ``node:__internal_head__`` resource, which only the head node has;
+4. on a single-node Ray (``Session.local``) nothing is asked: there is nowhere else.
+
+The actors take ``num_cpus=0``, so a fraction of a resource is all they hold, and the
+head may advertise ``num-cpus: 0`` (keeping Spark executors, which need CPUs, on the
+workers). A requested resource that no live node offers is a ``SessionError`` here, not
+an actor pending forever.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ._errors import SessionError
+
+__all__ = [
+    "COORDINATOR_RESOURCES_ENV",
+    "HEAD_RESOURCE",
+    "RAY_HEAD_RESOURCE",
+    "check_resources",
+    "coordinator_actor_options",
+    "coordinator_resources",
+]
+
+#: The custom resource the k8s manifests put on the head node (also RayDP's app master's).
+HEAD_RESOURCE = "hybrid_iter_head"
+#: Ray's built-in resource of the head node (Ray >= 2.9).
+RAY_HEAD_RESOURCE = "node:__internal_head__"
+COORDINATOR_RESOURCES_ENV = "HYBRID_ITER_COORDINATOR_RESOURCES"
+#: How much of the resource each actor holds: many actors fit one unit.
+_SHARE = 0.001
+
+
+def check_resources(value: Any, where: str) -> dict[str, float]:
+    """``{name: amount > 0}`` or ``SessionError`` naming ``where``."""
+    if not isinstance(value, Mapping):
+        raise SessionError(
+            f"{where} must be a mapping of Ray resource names to amounts, e.g. "
+            f'{{"{HEAD_RESOURCE}": 0.001}}, got {type(value).__name__}'
+        )
+    out: dict[str, float] = {}
+    for name, amount in value.items():
+        if not isinstance(name, str) or not name:
+            raise SessionError(f"{where}: resource names are non-empty strings, got {name!r}")
+        if name in ("CPU", "GPU", "memory", "object_store_memory"):
+            raise SessionError(
+                f"{where}: {name!r} is not a placement resource (the actors use num_cpus=0); "
+                f"name a custom resource a node advertises, e.g. {HEAD_RESOURCE!r}"
+            )
+        if (
+            isinstance(amount, bool)
+            or not isinstance(amount, (int, float))
+            or not 0 < amount < math.inf
+        ):
+            raise SessionError(f"{where}[{name!r}] must be a number > 0, got {amount!r}")
+        out[name] = float(amount)
+    return out
+
+
+def _configured() -> dict[str, float] | None:
+    from ._session import Session
+
+    session = Session.current()
+    if session is not None and session.coordinator_resources is not None:
+        return dict(session.coordinator_resources)
+    text = os.environ.get(COORDINATOR_RESOURCES_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as ex:
+        raise SessionError(
+            f"{COORDINATOR_RESOURCES_ENV} must be a JSON object such as "
+            f'{{"{HEAD_RESOURCE}": 0.001}} ({{}} = any node), got {text!r}: {ex}'
+        ) from None
+    return check_resources(value, COORDINATOR_RESOURCES_ENV)
+
+
+def coordinator_resources() -> dict[str, float]:
+    """The Ray resources the coordinator-tier actors ask for (driver; Ray connected)."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    offered: dict[str, float] = {}
+    for node in nodes:
+        for name, amount in node.get("Resources", {}).items():
+            offered[name] = max(offered.get(name, 0.0), amount)
+    wanted = _configured()
+    if wanted is not None:
+        missing = {k: v for k, v in wanted.items() if offered.get(k, 0.0) < v}
+        if missing:
+            raise SessionError(
+                f"coordinator_resources {missing} (Session or {COORDINATOR_RESOURCES_ENV}): no "
+                f"live node of the Ray cluster offers that much, so the coordinator would "
+                f"wait forever; give a node the resource (`ray start --resources`, KubeRay "
+                f"rayStartParams.resources) or change the setting"
+            )
+        return wanted
+    if len(nodes) <= 1:
+        return {}  # one node: nowhere else to go
+    if HEAD_RESOURCE in offered:
+        return {HEAD_RESOURCE: _SHARE}
+    if RAY_HEAD_RESOURCE in offered:
+        return {RAY_HEAD_RESOURCE: _SHARE}
+    return {}  # pragma: no cover - every Ray >= 2.9 head has it
+
+
+def coordinator_actor_options() -> dict[str, Any]:
+    """Keyword arguments for ``ray.remote(...)`` of a coordinator-tier actor."""
+    resources = coordinator_resources()
+    return {"resources": resources} if resources else {}
