@@ -34,7 +34,8 @@ ROOT = TESTS.parent
 JOB_TIMEOUT = 1500  # seconds, a safety net: 6-15 min at load 60-110 on 2 cores
 MiB = 1 << 20
 # The module fixture starts a cluster and runs the whole job before the first test.
-pytestmark = pytest.mark.timeout(2400)
+# Opt-in (`-m slow`): a 4-raylet cluster and RayDP take minutes on 2 cores.
+pytestmark = [pytest.mark.timeout(2400), pytest.mark.slow]
 
 
 def _is_loopback(host_port: str) -> bool:
