@@ -104,6 +104,9 @@ class CoordinatorContext:
         self._c = coordinator
         self.epoch = 0
         self.source_partition: int | None = None
+        #: True while the terminating round's per-round operators run; their
+        #: publish_variables are dropped (nothing is fed back after termination)
+        self.terminating = False
 
     @property
     def num_partitions(self) -> int:
@@ -140,6 +143,8 @@ class CoordinatorCollector:
 
     def publish_variables(self, **variables: Any) -> None:
         """Publish new values of some variables: the next epoch's broadcast to partitions."""
+        if self._c.ctx.terminating:
+            return  # the terminating round's publishes are fed back nowhere (loop closed)
         for name, value in variables.items():
             arr = np.asarray(value)
             if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
@@ -658,14 +663,18 @@ class IterationCoordinator:
         emitted, self._final_round = self._final_round, {}
         if k is None:
             return
-        for pid, em in sorted(emitted.items()):
-            self._apply_partition_emissions(pid, k, em)
-        self.ctx.epoch = k
-        for slot in (self._main, self._round):
-            if slot.per_round and slot.template is not None:
-                op = slot.get(k)
-                self._user_call(op, "on_epoch_watermark_incremented", k, self.ctx, self._out)
-                slot.end_round()
+        self.ctx.terminating = True
+        try:
+            for pid, em in sorted(emitted.items()):
+                self._apply_partition_emissions(pid, k, em)
+            self.ctx.epoch = k
+            for slot in (self._main, self._round):
+                if slot.per_round and slot.template is not None:
+                    op = slot.get(k)
+                    self._user_call(op, "on_epoch_watermark_incremented", k, self.ctx, self._out)
+                    slot.end_round()
+        finally:
+            self.ctx.terminating = False
 
     def _terminate_coordinator_tier(self) -> None:
         self.ctx.epoch = max(self.sm.epochs_completed - 1, 0)

@@ -113,6 +113,8 @@ class _StepPartition(PartitionOperator):
         self.fresh = True
 
     def on_epoch_watermark_incremented(self, epoch: int, ctx: Any, out: Any) -> None:
+        if getattr(ctx, "terminating", False):
+            return  # replay=True: the terminating round has no data and no step to run
         if self.batches is not None:
             self.data = self.step.prepare(self.batches)
             self.batches = None  # the step's compact form replaces the raw batches

@@ -68,7 +68,8 @@ class PartitionContext:
 
     ``epoch`` is the subtask's current epoch; ``global_epoch_watermark`` the newest
     global alignment it has heard of (in sync mode equal to ``epoch`` inside
-    ``on_epoch_watermark_incremented``).
+    ``on_epoch_watermark_incremented``); ``terminating`` is True only in the terminating
+    round's per-round operators (variables, no data; docs/semantics.md).
     """
 
     def __init__(self, partition_id: int, num_partitions: int, staleness: int | None) -> None:
@@ -78,6 +79,9 @@ class PartitionContext:
         self.epoch = 0
         self.global_epoch_watermark = -1
         self.variables_version = -1
+        #: True while the terminating round's per-round operators run (their round has
+        #: the variables fed back into it but no data: replay stopped at termination)
+        self.terminating = False
 
     @property
     def is_sync(self) -> bool:
@@ -415,13 +419,13 @@ class _Subtask:
         k = self.last.terminating_round if self.last is not None else None
         round_em = None
         if k is not None and (self.plan.main_per_round or self.plan.per_round_operator):
-            last, self.ctx.epoch = self.ctx.epoch, k
+            last, self.ctx.epoch, self.ctx.terminating = self.ctx.epoch, k, True
             self._new_round_ops()
             for op, out in self.per_round:
                 self.call(op, "on_epoch_watermark_incremented", k, self.ctx, out)
             self._close_round_ops()
             round_em = self._drain()
-            self.ctx.epoch = last
+            self.ctx.epoch, self.ctx.terminating = last, False
         if self.all_round is not None:
             self.call(self.all_round, "on_iteration_terminated", self.ctx, self.out)
         self.ask(self.coord.finish.remote(self.pid, self._drain(), self.plan.attempt, round_em))
