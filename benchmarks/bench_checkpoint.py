@@ -119,7 +119,7 @@ def main() -> None:
     with hi.Session.local(parallelism=2) as session:
         for size in args.sizes:
             never, every, per_ckpt, clean_total, faulty_total = [], [], [], [], []
-            killed_total = []
+            killed_total, reconstructed = [], []
             for _ in range(args.repeats):
                 r = run(session.spark, size, args.epochs)
                 never.append(statistics.median(r.epoch_seconds[1:]))
@@ -163,7 +163,10 @@ def main() -> None:
                     checkpoint=hi.CheckpointConfig(d, every_epochs=5),
                     faults=hi.FaultInjection(kill_coordinator_at=args.epochs // 2 + 2),
                 )
-                assert r.extra["checkpoint"]["reconstructed"] is True
+                # Ray restarts the actor in place unless its creation arguments were
+                # lost (large initial variables travel as an object); then the driver
+                # starts a new coordinator from the checkpoint instead: record which
+                reconstructed.append(bool(r.extra["checkpoint"]["reconstructed"]))
                 killed_total.append(r.seconds)
                 shutil.rmtree(d)
             m = {
@@ -183,6 +186,7 @@ def main() -> None:
                     "clean_total": clean_total,
                     "faulty_total": faulty_total,
                     "killed_total": killed_total,
+                    "restarted_in_place_by_ray": reconstructed,
                 },
             }
             report["models"][str(size)] = m
