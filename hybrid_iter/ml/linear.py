@@ -757,7 +757,14 @@ class LogisticRegressionModel(_LinearModel):
             out = out.withColumn(
                 v("probability_col"), array_to_vector(F.transform(e, lambda x: x / total))
             )
-        pred = (F.array_position(z, top) - F.lit(1)).cast("double")  # the first maximum
+        # the largest margin, ties to the lowest class (numpy's argmax)
+        pairs = F.array(
+            *[
+                F.struct((-z.getItem(k)).alias("s"), F.lit(k).alias("i"))
+                for k in range(self.num_classes)
+            ]
+        )
+        pred = F.array_min(pairs).getField("i").cast("double")
         return out.withColumn(v("prediction_col"), pred).drop(tmp)
 
     def predict_numpy(self, X: np.ndarray) -> np.ndarray:
