@@ -845,6 +845,11 @@ def iterate_unbounded_streams(
             "for_each_round does not apply online: every partition operator already lives for "
             "one micro-batch"
         )
+    if getattr(body, "feedback_combine", None) is not None:
+        raise IterationConfigError(
+            "IterationBody(feedback_combine=...) is for bounded sync iterations; an online "
+            "iteration applies each batch's feedback as it arrives: remove feedback_combine"
+        )
     stream = _the_stream(data_streams)
     try:
         variables = normalize_variables(init_variables, what="init_variables")
