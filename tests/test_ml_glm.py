@@ -248,7 +248,6 @@ def test_keyword_and_spark_names_copy_and_param_maps(scaled):
         a.fit(df.select("features", "label"), {a.regParam: -1.0})
 
 
-@pytest.mark.xfail(strict=False, reason="failed once in the post-merge suite run (2026-11-23); under investigation, see the closing note")
 def test_summary_convergence_warning_and_progress_objective(scaled):
     df, *_ = scaled
     with pytest.warns(ml.ConvergenceWarning, match="did not converge"):
@@ -263,7 +262,6 @@ def test_summary_convergence_warning_and_progress_objective(scaled):
     assert "relative change" in ok.summary.reason
 
 
-@pytest.mark.xfail(strict=False, reason="failed once in the post-merge suite run (2026-11-23); under investigation, see the closing note")
 def test_bad_inputs_fail_clearly(spark, scaled):
     from pyspark.sql import functions as F
 

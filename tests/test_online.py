@@ -283,7 +283,6 @@ def test_a_corrupt_newest_checkpoint_is_replayed_from_the_journal(spark, tmp_pat
     assert progress.lost_batches == ()
 
 
-@pytest.mark.xfail(strict=False, reason="failed once in the post-merge suite run (2026-11-23); under investigation, see the closing note")
 def test_a_lost_batch_fails_loudly_unless_reset_is_chosen(spark, tmp_path):
     """Snapshot and journal of the newest batch both corrupt: Spark has committed batch
     2, nothing can restore it. The restart stops with an error naming batch 2 and the
@@ -307,7 +306,6 @@ def test_a_lost_batch_fails_loudly_unless_reset_is_chosen(spark, tmp_path):
     np.testing.assert_allclose(w, reference([batches[i] for i in (0, 1, 3)]), rtol=0, atol=1e-12)
 
 
-@pytest.mark.xfail(strict=False, reason="failed once in the post-merge suite run (2026-11-23); under investigation, see the closing note")
 def test_state_stays_bounded_and_stop_drains(spark, tmp_path):
     """A short soak: two runs of a processing-time query stopped while running. Files
     under the checkpoint's hybrid_iter directory stay at 2 * keep_last however many
