@@ -153,8 +153,8 @@ def _make_ops(size: int, epochs: int, combine: bool) -> tuple[bytes, bytes]:
             self.value = _shared(self.size)
 
         def on_epoch_watermark_incremented(self, epoch, ctx, out):
-            # size 0: the empty body, one scalar (something must circulate, else the
-            # iteration ends for lack of feedback)
+            # size 0: the empty body, one scalar (one call per subtask and epoch still
+            # reaches the coordinator: that is what the harness measures)
             out.feedback(self.value if self.size else 0.5)
 
     class SumOp(hi.CoordinatorOperator):
@@ -164,6 +164,7 @@ def _make_ops(size: int, epochs: int, combine: bool) -> tuple[bytes, bytes]:
         def open(self, init_variables, ctx):
             self.acc = None
             self.calls = 0
+            self.w = init_variables["w"]
 
         def process_feedback(self, value, ctx, out):
             self.calls += 1
@@ -175,6 +176,9 @@ def _make_ops(size: int, epochs: int, combine: bool) -> tuple[bytes, bytes]:
             out.output("process_feedback_calls", self.calls)
             self.acc, self.calls = None, 0
             if epoch + 1 < self.epochs:
+                # the feedback edge (Flink ML): a publish keeps the loop alive; the
+                # criteria stream says when to stop
+                out.publish_variables(w=self.w)
                 out.criteria()
 
     return cloudpickle.dumps(FeedbackOp(size)), cloudpickle.dumps((SumOp(epochs), None, []))

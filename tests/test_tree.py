@@ -231,7 +231,6 @@ def _bench_scale():
     return mod
 
 
-@pytest.mark.skip(reason="harness count is off after merging the pure cut protocol (issue 15); issue 19 stays open")
 def test_the_scale_harness_at_64_subtasks_flat_and_tree(session):
     """64 simulated subtasks through the real coordinator and task-side code: flat, every
     call and value reaches the coordinator; tree (fan-in 32), 2 group calls and one
