@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from ._side_content import VersionApplier, key_names, value_names
+from ._side_content import VersionApplier, duplicate_error, key_names, value_names
 from ._side_errors import SideInputConfigError, SideInputKeyError
 from ._side_store import KeyedSource
 from ._side_task import (
@@ -346,6 +346,32 @@ def run_on(
     keyed_specs = tuple(v._spec for v in keyed_views)
     task = copartitioned_task(plan, broadcast, bcast, keyed_specs)
     return combined.sortWithinPartitions(TAG).mapInArrow(task, out_struct)
+
+
+def check_keyed_unique(views: Sequence[SideInput]) -> None:
+    """A bounded keyed singleton / map view holds one value per (window, key): checked on
+    the driver, as the broadcast path checks while reading, so a duplicate is a
+    ``SideInputValueError`` here rather than Spark's ``PythonException`` from a task.
+    One aggregation job per such view (key columns only; ``.cache()`` a side DataFrame
+    that is expensive to compute)."""
+    from pyspark.sql import functions as F
+
+    for v in views:
+        s = v._spec
+        if not s.unique:
+            continue
+        group = _key_cols(s.key)
+        if s.window:
+            group += [
+                F.unix_micros(col(s.window).start).alias("__ws"),
+                F.unix_micros(col(s.window).end).alias("__we"),
+            ]
+        dup = v.df.groupBy(*group).count().where(col("count") > 1).limit(1).collect()
+        if dup:
+            row = dup[0]
+            keys = [row[n] for n in key_names(len(s.key))]
+            ns = (row["__ws"], row["__we"]) if s.window else None
+            raise duplicate_error(s, ns, keys[0] if len(keys) == 1 else tuple(keys))
 
 
 def broadcast_contents(views: Sequence[SideInput]) -> dict[str, dict[Any, Any]]:

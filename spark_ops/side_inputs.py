@@ -97,7 +97,7 @@ from ._side_errors import (
     SideInputScopeError,
     SideInputValueError,
 )
-from ._side_plan import broadcast_contents, check_main, make_plan, run_on
+from ._side_plan import broadcast_contents, check_keyed_unique, check_main, make_plan, run_on
 from ._side_stream import BatchRecord, SideInputQuery, SideInputStream
 from ._side_views import (
     ListSideInput,
@@ -177,6 +177,7 @@ class SideInputOperation:
             return SideInputStream(self.main, self._spec, self.views, plan, struct)
         broadcast_views = [v for v in self.views if not v.keyed]
         contents = broadcast_contents(broadcast_views)  # read once, on the driver
+        check_keyed_unique([v for v in self.views if v.keyed])
         sc = self.main.sparkSession.sparkContext
         bcasts = {vid: sc.broadcast(c) for vid, c in contents.items()}  # shipped once
         return run_on(

@@ -445,13 +445,12 @@ def test_a_singleton_with_more_than_one_value_is_an_error(spark, main, dims):
         with_side_inputs(main, dup).filter(lambda r, ctx: True)
 
 
-def test_a_keyed_singleton_with_two_values_for_a_key_fails_the_job(spark, main, dims):
+def test_a_keyed_singleton_with_two_values_for_a_key_is_an_error_on_the_driver(spark, main, dims):
     twice = SingletonSideInput(dims.union(dims.filter("user_id = 10")), "segment", key="user_id")
-    out = with_side_inputs(main, twice, key="user_id").map(
-        lambda r, ctx: (ctx.side_input(twice),), "s string"
-    )
-    with pytest.raises(Exception, match=r"SideInputValueError.*more than one value for key 10"):
-        out.collect()
+    with pytest.raises(SideInputValueError, match=r"more than one value for key 10"):
+        with_side_inputs(main, twice, key="user_id").map(
+            lambda r, ctx: (ctx.side_input(twice),), "s string"
+        )
 
 
 def test_keyed_view_key_type_or_arity_mismatch_is_an_error_before_any_job(spark, main, dims):

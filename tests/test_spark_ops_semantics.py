@@ -244,7 +244,35 @@ def test_spark_ops_errors_share_one_root_and_keep_their_builtin_bases(spark):
             lambda row, ctx: (row.n,), "n long"
         ).collect()
     keyed = MapSideInput(dup, key="user_id", value="segment", keyed=True)
-    with pytest.raises(Exception, match=r"SideInputValueError.*more than once"):
-        with_side_inputs(main, keyed, key="user_id").map(
-            lambda row, ctx: (row.n,), "n long"
-        ).collect()
+    with pytest.raises(so.SideInputValueError, match="key 1 more than once"):
+        with_side_inputs(main, keyed, key="user_id").map(lambda row, ctx: (row.n,), "n long")
+
+
+def test_a_keyed_windowed_duplicate_is_named_with_its_window_before_the_main_job(spark):
+    """One value per (window, key): the same key in two windows is fine, twice in one
+    window is a SideInputValueError on the driver naming the window."""
+    import datetime as dt
+
+    from pyspark.sql import functions as F
+
+    t0 = dt.datetime(2026, 1, 1, 12, 0, 5)
+    t1 = dt.datetime(2026, 1, 1, 12, 1, 5)
+    side = spark.createDataFrame(
+        [(1, t0, 0.5), (1, t1, 0.7), (2, t0, 0.1)], "user_id long, ts timestamp, rate double"
+    ).withColumn("w", F.window("ts", "1 minute"))
+    main = spark.createDataFrame([(1, t0)], "user_id long, ts timestamp").withColumn(
+        "w", F.window("ts", "1 minute")
+    )
+    ok = MapSideInput(side, key="user_id", value="rate", window="w", keyed=True)
+    rows = (
+        with_side_inputs(main, ok, key="user_id", window="w")
+        .map(lambda row, ctx: (ctx.side_input(ok)[row.user_id],), "rate double")
+        .collect()
+    )
+    assert [r.rate for r in rows] == [0.5]
+    twice = side.union(side.filter("rate = 0.7"))
+    bad = MapSideInput(twice, key="user_id", value="rate", window="w", keyed=True)
+    with pytest.raises(so.SideInputValueError, match=r"key 1 more than once.*window \[2026-01-01T12:01"):
+        with_side_inputs(main, bad, key="user_id", window="w").map(
+            lambda row, ctx: (0.0,), "rate double"
+        )
