@@ -212,7 +212,9 @@ class IterationCoordinator:
         self._feedback_counts = [0] * spec.num_subtasks
         self._rows = [0] * spec.num_streams
         self._failures: list[RemoteFailure] = []
-        self._progress_waiters: list[asyncio.Future[None]] = []
+        # the driver's progress polls: (answer at each alignment?, aligned, checkpointed)
+        # seen by the poll, and its future
+        self._progress_waiters: list[tuple[bool, int, int, asyncio.Future[None]]] = []
         self._last_loss: Any = None
         self._closed = False
         self._stash: dict[int, bytes] = {}
@@ -501,7 +503,7 @@ class IterationCoordinator:
 
     async def wake(self) -> None:
         """Answer the driver's pending progress poll now (its Spark job just ended)."""
-        self._notify_progress()
+        self._notify_progress(force=True)
 
     async def stash(self, pid: int, state: bytes) -> None:
         """Keep subtask ``pid``'s all-round operator state between two round jobs."""
@@ -513,17 +515,35 @@ class IterationCoordinator:
 
     # -- calls from the driver ----------------------------------------------------------
 
-    async def wait_progress(self, after_aligned: int, timeout: float) -> Progress:
-        """Return once alignment passes ``after_aligned``, the end, or ``timeout``."""
-        if self.sm.aligned <= after_aligned and not self._is_done():
+    async def wait_progress(
+        self,
+        after_aligned: int,
+        timeout: float,
+        each_alignment: bool = True,
+        after_checkpoint: int = -1,
+    ) -> Progress:
+        """Return at the end, after a failure, once a checkpoint newer than
+        ``after_checkpoint`` is written, once alignment passes ``after_aligned`` (with
+        ``each_alignment``: a progress line to draw), at ``wake()``, or at ``timeout``.
+        Without ``each_alignment`` the driver's poll costs no call per epoch."""
+        waiter = (each_alignment, after_aligned, after_checkpoint)
+        if not self._progress_ready(*waiter):
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._progress_waiters.append(fut)
+            entry = (*waiter, fut)
+            self._progress_waiters.append(entry)
             try:
                 await asyncio.wait_for(fut, timeout)
             except asyncio.TimeoutError:
-                if fut in self._progress_waiters:
-                    self._progress_waiters.remove(fut)
+                if entry in self._progress_waiters:
+                    self._progress_waiters.remove(entry)
         return self.progress()
+
+    def _progress_ready(self, each_alignment: bool, aligned: int, checkpointed: int) -> bool:
+        return (
+            self._is_done()
+            or self._checkpointed > checkpointed
+            or (each_alignment and self.sm.aligned > aligned)
+        )
 
     def progress(self) -> Progress:
         t = self._alignment_times
@@ -788,6 +808,7 @@ class IterationCoordinator:
         self._saved_outputs = len(self._outputs)
         self.checkpoints.append((epoch, path, time.perf_counter() - started))
         self._checkpointed = epoch
+        self._notify_progress()  # the driver learns of it even with progress off
 
     def _restore(self) -> bool:
         """Load the newest valid checkpoint; False when there is none."""
@@ -899,11 +920,18 @@ class IterationCoordinator:
                     )
                 )
 
-    def _notify_progress(self) -> None:
-        waiters, self._progress_waiters = self._progress_waiters, []
-        for fut in waiters:
-            if not fut.done():
+    def _notify_progress(self, *, force: bool = False) -> None:
+        if not self._progress_waiters:
+            return
+        keep = []
+        for each, aligned, checkpointed, fut in self._progress_waiters:
+            if fut.done():
+                continue
+            if force or self._progress_ready(each, aligned, checkpointed):
                 fut.set_result(None)
+            else:
+                keep.append((each, aligned, checkpointed, fut))
+        self._progress_waiters = keep
 
 
 class _UserCodeFailed(Exception):

@@ -31,6 +31,8 @@ Vocabulary (DESIGN.md section 3, as implemented here):
 
 from __future__ import annotations
 
+import collections
+
 import enum
 from dataclasses import dataclass
 from typing import Any
@@ -125,6 +127,13 @@ class EpochStateMachine:
         self.last_call = [-1] * num_subtasks
         self.aligned = -1
         self.pending: dict[int, int] = {}
+        # O(1) per call at any subtask count: how many subtasks sit at each call, the
+        # lowest call (it only grows), and which pending calls may have become
+        # releasable since the last ``releasable()`` (all of them after an alignment).
+        self._at_call: dict[int, int] = {-1: num_subtasks}
+        self._min_call = -1
+        self._fresh: list[int] = []
+        self._rescan = False
         self.counts: dict[int, EpochCounts] = {}
         self.terminated: TerminationReason | None = None
         self.finished: set[int] = set()
@@ -145,10 +154,12 @@ class EpochStateMachine:
         if epoch != expected:
             raise StateMachineError(f"subtask {pid} made call {epoch}, expected call {expected}")
         self.last_call[pid] = epoch
+        self._move_call(epoch - 1, epoch)
         c = self._counts(max(epoch - 1, 0))
         c.feedback += feedback
         c.criteria += criteria
         self.pending[pid] = epoch
+        self._fresh.append(pid)
 
     def record_coordinator(self, epoch: int, *, published: int = 0, criteria: int = 0) -> None:
         """The coordinator tier emitted records of ``epoch``."""
@@ -163,13 +174,14 @@ class EpochStateMachine:
         if self.terminated is not None or self.failed:
             return None
         k = self.aligned + 1
-        return k if min(self.last_call) >= k else None
+        return k if self._min_call >= k else None
 
     def complete_alignment(self, k: int) -> TerminationReason | None:
         """Complete alignment ``k`` (after the coordinator ran its callback of ``k - 1``)."""
         if k != self.next_alignment():
             raise StateMachineError(f"alignment {k} is not ready (aligned={self.aligned})")
         self.aligned = k
+        self._rescan = True  # every pending call's answer may have changed
         if k == 0:
             return None
         c = self.counts.get(k - 1, EpochCounts())
@@ -189,9 +201,19 @@ class EpochStateMachine:
         return reason
 
     def releasable(self) -> list[Release]:
-        """Pending calls that may be answered now (removed from ``pending``)."""
+        """Pending calls that may be answered now (removed from ``pending``), by subtask
+        id. Only calls made since the last call are looked at, unless an alignment
+        completed since (then all pending ones): a pending call's answer changes only
+        then."""
+        if self._rescan:
+            candidates = sorted(self.pending.items())
+        else:
+            fresh = sorted(self._fresh) if len(self._fresh) > 1 else self._fresh
+            candidates = [(p, self.pending[p]) for p in fresh if p in self.pending]
+        self._fresh = []
+        self._rescan = False
         out: list[Release] = []
-        for pid, epoch in sorted(self.pending.items()):
+        for pid, epoch in candidates:
             if self.terminated is not None:
                 out.append(Release(pid, epoch, True))
             elif self._may_start(epoch):
@@ -234,6 +256,8 @@ class EpochStateMachine:
         sm = cls(len(snapshot["calls"]), **config)
         sm.aligned = snapshot["aligned"]
         sm.last_call = [snapshot["calls"][p] - 1 for p in range(sm.num_subtasks)]
+        sm._at_call = dict(collections.Counter(sm.last_call))
+        sm._min_call = min(sm.last_call)
         sm.counts = {e: EpochCounts(*c) for e, c in snapshot["counts"].items()}
         return sm
 
@@ -263,11 +287,15 @@ class EpochStateMachine:
     @property
     def slowest(self) -> int:
         """The lowest call any subtask has made (its current epoch)."""
-        return min(self.last_call)
+        return self._min_call
 
     def validate(self) -> None:
         """Invariants that must hold between events (used by tests)."""
         assert self.aligned <= min(self.last_call) + 1, (self.aligned, self.last_call)
+        assert self._min_call == min(self.last_call), (self._min_call, self.last_call)
+        assert self._at_call == {
+            c: n for c, n in collections.Counter(self.last_call).items()
+        }, (self._at_call, self.last_call)
         for pid, epoch in self.pending.items():
             assert self.last_call[pid] == epoch
         if self.terminated is None and not self.failed:
@@ -287,6 +315,18 @@ class EpochStateMachine:
         if self.staleness is None:
             return True
         return epoch <= self.aligned + self.staleness
+
+    def _move_call(self, old: int, new: int) -> None:
+        at = self._at_call
+        left = at[old] - 1
+        if left:
+            at[old] = left
+        else:
+            del at[old]
+        at[new] = at.get(new, 0) + 1
+        if old == self._min_call and not left:
+            while self._min_call not in at:  # amortised O(1): the minimum only grows
+                self._min_call += 1
 
     def _counts(self, epoch: int) -> EpochCounts:
         c = self.counts.get(epoch)

@@ -672,7 +672,11 @@ class _Monitor:
             while thread.is_alive():
                 try:
                     p = ray.get(
-                        self.actor.wait_progress.remote(self._seen, 0.5),
+                        # progress off: no poll per epoch, only at the end, a
+                        # failure, a checkpoint (or every 0.5 s)
+                        self.actor.wait_progress.remote(
+                            self._seen, 0.5, self.printer.enabled, self.checkpointed
+                        ),
                         timeout=min(30.0, self.call_timeout),
                     )
                     answered = time.monotonic()
