@@ -656,7 +656,15 @@ class OnlineIteration:
     def _lag_files(self) -> int | None:
         """Files waiting in the source: Spark's ``numFilesOutstanding`` when the source
         reports it, else (a Parquet source we read) the files newer than the newest one
-        trained on, listed at most once a second; None for other sources."""
+        trained on, listed at most once a second; None for other sources. After
+        ``stop()``, the listing is read now when there is one (Spark's figure is of its
+        last progress, which may predate the last batch applied)."""
+        if self._final is not None and self._files_waiting is not None:
+            try:
+                return self._files_waiting()
+            except Exception as ex:  # a status figure must never take the job down
+                log.debug("could not list the source directory: %s", ex)
+                return None
         try:
             last = self.query.lastProgress
         except Exception:
