@@ -42,6 +42,7 @@ import pyarrow.parquet as pq  # noqa: E402
 import hybrid_iter as hi  # noqa: E402
 from hybrid_iter import ml  # noqa: E402
 from hybrid_iter.ml.linear import logistic_terms  # noqa: E402
+from hybrid_iter.testing import Straggler  # noqa: E402
 
 MODES = (("async", None), ("ssp", 1), ("ssp", 2), ("ssp", 4))
 
@@ -126,7 +127,7 @@ def main() -> None:
         last = {}
         for r in range(args.repeats):
             sync = base.replace(max_iter=args.target_epochs, tol=-1.0)._fit(
-                df, straggler=straggler, trace_weights=True
+                df, hooks=Straggler(*straggler), trace_weights=True
             )
             scored = exact(sync.result, X, y)
             target = scored.outputs["loss"][-1]
@@ -146,7 +147,7 @@ def main() -> None:
                     max_iter=3 * args.target_epochs,
                 )
                 t = time.perf_counter()
-                model = est._fit(df, straggler=straggler, trace_weights=True)
+                model = est._fit(df, hooks=Straggler(*straggler), trace_weights=True)
                 wall = time.perf_counter() - t
                 result = exact(model.result, X, y)
                 reached = time_to(result, target)

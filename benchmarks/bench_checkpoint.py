@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 import hybrid_iter as hi
+from hybrid_iter.testing import FaultInjection
 
 HERE = Path(__file__).resolve().parent
 
@@ -150,7 +151,7 @@ def main() -> None:
                     size,
                     args.epochs,
                     checkpoint=hi.CheckpointConfig(d, every_epochs=5),
-                    faults=hi.FaultInjection(fail_partition=1, at_epoch=args.epochs // 2 + 2),
+                    hooks=FaultInjection(fail_partition=1, at_epoch=args.epochs // 2 + 2),
                 )
                 assert len(r.extra["attempts"]) == 1
                 faulty_total.append(r.seconds)
@@ -161,7 +162,7 @@ def main() -> None:
                     size,
                     args.epochs,
                     checkpoint=hi.CheckpointConfig(d, every_epochs=5),
-                    faults=hi.FaultInjection(kill_coordinator_at=args.epochs // 2 + 2),
+                    hooks=FaultInjection(kill_coordinator_at=args.epochs // 2 + 2),
                 )
                 # Ray restarts the actor in place unless its creation arguments were
                 # lost (large initial variables travel as an object); then the driver

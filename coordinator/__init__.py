@@ -10,8 +10,10 @@ from ._actor import (
     CoordinatorCollector,
     CoordinatorContext,
     CoordinatorSpec,
+    FeedbackShapeMismatch,
     IterationCoordinator,
     MissingCheckpoint,
+    NonFiniteVariables,
     UnpicklableOperator,
 )
 from ._checkpoint import (
@@ -23,7 +25,17 @@ from ._checkpoint import (
     damaged_since,
     fingerprint_mismatch,
 )
-from ._errors import RemoteFailure, VariablesMismatchError
+from ._cut import CutError
+from ._errors import (
+    CheckpointError,
+    ConfigTypeError,
+    HybridIterError,
+    IterationConfigError,
+    RemoteFailure,
+    UsageError,
+    VariablesMismatchError,
+)
+from ._hooks import RuntimeHooks
 from ._online import OnlineCoordinator
 from ._protocol import Emissions, OutputRecord, Progress, Reply, ResultData
 from ._state import EpochCounts, EpochStateMachine, Release, StateMachineError, TerminationReason
@@ -31,18 +43,25 @@ from ._variables import VariablesPayload, VariableSpec, VariablesStore, normaliz
 
 __all__ = [
     "CheckpointCorrupt",
+    "CheckpointError",
     "CheckpointSpec",
     "CheckpointStore",
+    "ConfigTypeError",
     "CoordinatorCollector",
     "CoordinatorContext",
     "CoordinatorSpec",
+    "CutError",
     "Emissions",
     "EpochCounts",
     "EpochStateMachine",
+    "FeedbackShapeMismatch",
     "ForeignCheckpoint",
+    "HybridIterError",
+    "IterationConfigError",
     "IterationCoordinator",
     "LoadedCheckpoint",
     "MissingCheckpoint",
+    "NonFiniteVariables",
     "OnlineCoordinator",
     "OutputRecord",
     "Progress",
@@ -50,9 +69,11 @@ __all__ = [
     "RemoteFailure",
     "Reply",
     "ResultData",
+    "RuntimeHooks",
     "StateMachineError",
     "TerminationReason",
     "UnpicklableOperator",
+    "UsageError",
     "VariableSpec",
     "VariablesMismatchError",
     "VariablesPayload",

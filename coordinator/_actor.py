@@ -10,7 +10,6 @@ variable versions, passed in as a function so the class works without Ray in tes
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +25,8 @@ from ._checkpoint import (
     fingerprint_mismatch,
 )
 from ._cut import Cut, CutProtocol
-from ._errors import RemoteFailure, VariablesMismatchError
+from ._errors import CheckpointError, HybridIterError, RemoteFailure, VariablesMismatchError
+from ._hooks import RuntimeHooks
 from ._protocol import Emissions, OutputRecord, Progress, Reply, ResultData
 from ._state import EpochStateMachine, StateMachineError
 from ._tree import CoordinatorTree, TreeSpec
@@ -63,8 +63,8 @@ class CoordinatorSpec:
     #: the main coordinator operator is created afresh every round (PER_ROUND lifecycle)
     main_per_round: bool = False
     checkpoint: CheckpointSpec | None = None
-    #: fault injection for tests: the actor's process exits at this alignment, once
-    kill_at_alignment: int | None = None
+    #: called at named points (tests: ``hybrid_iter.testing``); None: no hooks
+    hooks: RuntimeHooks | None = None
     inline_limit: int = DEFAULT_INLINE_LIMIT
     progress_tag: str = "loss"
     #: feedback_combine: merge feedback in a tree (sync only; ``coordinator._tree``)
@@ -605,8 +605,10 @@ class IterationCoordinator:
                     return
             self._alignment_times.append(time.time())
             reason = self.sm.complete_alignment(k)
-            if k == self.spec.kill_at_alignment and not self._reconstructed:
-                os._exit(17)  # fault injection: the coordinator's process dies here
+            if self.spec.hooks is not None:
+                self.spec.hooks.at_alignment(
+                    k, attempt=self._attempt, restarted=self._reconstructed
+                )
             if self.cut.after_alignment(k, terminated=reason is not None):
                 self._cut_started = time.perf_counter()
             self._notify_progress()
@@ -946,11 +948,11 @@ class FeedbackShapeMismatch(VariablesMismatchError):
     """Partitions fed back arrays of different shapes (a sum would broadcast them)."""
 
 
-class UnpicklableOperator(TypeError):
+class UnpicklableOperator(HybridIterError, TypeError):
     """An operator without snapshot_state() that cannot be pickled into a checkpoint."""
 
 
-class MissingCheckpoint(RuntimeError):
+class MissingCheckpoint(CheckpointError, RuntimeError):
     """A restore did not find the checkpoint it must find (a node-local path?)."""
 
 

@@ -48,6 +48,8 @@ from typing import Any
 import numpy as np
 import pyarrow.fs as pafs
 
+from ._errors import CheckpointError, IterationConfigError
+
 __all__ = [
     "KEY_ENV",
     "CheckpointCorrupt",
@@ -71,11 +73,11 @@ _MAGIC = b"HICKPT2\n"
 _TAG = 32
 
 
-class CheckpointCorrupt(ValueError):
+class CheckpointCorrupt(CheckpointError, ValueError):
     """A checkpoint or output file failed authentication or could not be read."""
 
 
-class ForeignCheckpoint(ValueError):
+class ForeignCheckpoint(CheckpointError, ValueError):
     """A checkpoint of another run (another run id or another fingerprint)."""
 
 
@@ -102,7 +104,7 @@ def checkpoint_key() -> bytes:
     value = os.environ.get(KEY_ENV)
     if value:
         if len(value) < 16:
-            raise ValueError(
+            raise IterationConfigError(
                 f"{KEY_ENV} is too short ({len(value)} characters): use at least 16 random "
                 f"characters, e.g. the output of `python -c 'import secrets; "
                 f"print(secrets.token_hex(32))'`"

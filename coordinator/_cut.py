@@ -26,10 +26,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._errors import HybridIterError, IterationConfigError
+
 __all__ = ["Cut", "CutError", "CutProtocol", "SubtaskCut"]
 
 
-class CutError(RuntimeError):
+class CutError(HybridIterError, RuntimeError):
     """An event the cut protocol does not allow (a bug in the shell, not user input)."""
 
 
@@ -81,7 +83,7 @@ class CutProtocol:
 
     def __init__(self, num_subtasks: int, *, sync: bool, every_epochs: int = 0) -> None:
         if num_subtasks < 1:
-            raise ValueError(f"num_subtasks must be >= 1, got {num_subtasks}")
+            raise IterationConfigError(f"num_subtasks must be >= 1, got {num_subtasks}")
         self.num_subtasks = num_subtasks
         self.sync = sync
         self.every_epochs = every_epochs

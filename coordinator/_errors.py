@@ -1,19 +1,49 @@
-"""Errors raised on the Ray side, picklable so they cross process boundaries.
+"""The errors both tiers raise, rooted in ``HybridIterError``; picklable.
 
-The public exception tree lives in ``hybrid_iter._errors``; the classes here are the
-coordinator tier's own and are re-exported there.
+This module imports neither pyspark nor Ray nor ``hybrid_iter``, so the coordinator
+tier can raise them and ``hybrid_iter._errors`` re-exports the same classes (the whole
+tree is drawn there).
 """
 
 from __future__ import annotations
 
-__all__ = ["RemoteFailure", "VariablesMismatchError"]
+__all__ = [
+    "CheckpointError",
+    "ConfigTypeError",
+    "HybridIterError",
+    "IterationConfigError",
+    "RemoteFailure",
+    "UsageError",
+    "VariablesMismatchError",
+]
 
 
-class VariablesMismatchError(ValueError):
+class HybridIterError(Exception):
+    """Base class of every error hybrid_iter and its coordinator raise on purpose."""
+
+
+class IterationConfigError(HybridIterError, ValueError):
+    """An argument is wrong; the message names it and says how to fix it."""
+
+
+class ConfigTypeError(IterationConfigError, TypeError):
+    """An argument of the wrong type (also a ``TypeError``, as it was before the tree)."""
+
+
+class UsageError(HybridIterError, RuntimeError):
+    """An API called where it cannot be (``out.criteria()`` without a criteria stream,
+    ``LBFGS.tell()`` after the minimisation finished, ...)."""
+
+
+class CheckpointError(HybridIterError):
+    """A checkpoint cannot be written, found, read or trusted."""
+
+
+class VariablesMismatchError(HybridIterError, ValueError):
     """``publish_variables`` named a variable that does not exist or gave a wrong shape."""
 
 
-class RemoteFailure(Exception):
+class RemoteFailure(HybridIterError):
     """A failure of user code in a Spark task or in the coordinator actor.
 
     Carries where it happened (``source`` is a partition id or ``"coordinator"``), the

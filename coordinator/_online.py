@@ -39,6 +39,7 @@ from typing import Any
 from ._actor import CoordinatorSpec, IterationCoordinator, _UserCodeFailed
 from ._checkpoint import (
     CheckpointCorrupt,
+    ForeignCheckpoint,
     delete_name,
     list_names,
     read_record,
@@ -326,7 +327,7 @@ class OnlineCoordinator(IterationCoordinator):
             data.get("fingerprint", {}), self.spec.checkpoint.fingerprint
         )
         if mismatch:
-            raise ValueError(
+            raise ForeignCheckpoint(
                 f"{what} in {self._ckpt_store.uri} is of another iteration: {mismatch}"
             )
 
@@ -336,7 +337,7 @@ class OnlineCoordinator(IterationCoordinator):
         data = loaded.data
         self._check_fingerprint(data, loaded.path)
         if not data.get("online"):
-            raise ValueError(f"checkpoint {loaded.path} is of another iteration: not online")
+            raise ForeignCheckpoint(f"checkpoint {loaded.path} is of another iteration: not online")
         self.committed, self.round = data["committed"], data["round"]
         self.batches, self.total_rows, self.dead_letters = (
             data["batches"],

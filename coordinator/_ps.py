@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from ._errors import IterationConfigError
+
 __all__ = [
     "AdamRule",
     "FreeShard",
@@ -156,7 +158,9 @@ def make_rule(name: str, params: Mapping[str, float], size: int, dtype: np.dtype
     try:
         klass = _RULES[name]
     except KeyError:
-        raise ValueError(f"unknown update rule {name!r}; known: {sorted(_RULES)}") from None
+        raise IterationConfigError(
+            f"unknown update rule {name!r}; known: {sorted(_RULES)}"
+        ) from None
     return klass(size, dtype, **dict(params))
 
 
@@ -193,7 +197,7 @@ class _ShardCore:
         self._put = put
         self.w = np.array(spec.init, copy=True)
         if self.w.shape != (spec.hi - spec.lo,):
-            raise ValueError(
+            raise IterationConfigError(
                 f"shard {spec.shard_id}: {self.w.shape} initial values for keys "
                 f"[{spec.lo}, {spec.hi})"
             )

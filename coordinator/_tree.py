@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ._errors import ConfigTypeError, IterationConfigError
 from ._protocol import Emissions, Reply
 
 __all__ = [
@@ -140,12 +141,12 @@ def load_combiner(combine: Any) -> Any:
     if isinstance(combine, str):
         if combine == "sum":
             return SumCombiner()
-        raise ValueError(
+        raise IterationConfigError(
             f"feedback_combine={combine!r} is not supported; use one of "
             f"{list(SUPPORTED_COMBINE)} or an object with a merge(a, b) method"
         )
     if not callable(getattr(combine, "merge", None)):
-        raise TypeError(
+        raise ConfigTypeError(
             f"feedback_combine must be one of {list(SUPPORTED_COMBINE)} or an object with a "
             f"merge(a, b) method returning the combined value; {type(combine).__name__} has "
             f"no merge method"
@@ -192,7 +193,7 @@ class TreeSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.fan_in, int) or isinstance(self.fan_in, bool) or self.fan_in < 1:
-            raise ValueError(f"fan_in must be an int >= 1, got {self.fan_in!r}")
+            raise IterationConfigError(f"fan_in must be an int >= 1, got {self.fan_in!r}")
 
     def load(self) -> Any:
         import cloudpickle

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import VariablesMismatchError
+from ._errors import ConfigTypeError, VariablesMismatchError
 
 __all__ = ["VariableSpec", "VariablesPayload", "VariablesStore", "normalize_variables"]
 
@@ -48,20 +48,20 @@ def _frozen(value: np.ndarray) -> np.ndarray:
 def normalize_variables(variables: Mapping[str, Any], *, what: str) -> dict[str, np.ndarray]:
     """Check names and values of a variables mapping and return read-only arrays."""
     if not isinstance(variables, Mapping):
-        raise TypeError(
+        raise ConfigTypeError(
             f"{what} must be a mapping of name -> numpy array or number, "
             f"got {type(variables).__name__}"
         )
     out: dict[str, np.ndarray] = {}
     for name, value in variables.items():
         if not isinstance(name, str) or not name:
-            raise TypeError(f"{what}: variable names must be non-empty strings, got {name!r}")
+            raise ConfigTypeError(f"{what}: variable names must be non-empty strings, got {name!r}")
         try:
             arr = np.asarray(value)
         except Exception as ex:
-            raise TypeError(f"{what}[{name!r}] is not array-like: {ex}") from ex
+            raise ConfigTypeError(f"{what}[{name!r}] is not array-like: {ex}") from ex
         if arr.dtype.kind not in "biufc":
-            raise TypeError(
+            raise ConfigTypeError(
                 f"{what}[{name!r}] must be numeric (a numpy array or a number), "
                 f"got dtype {arr.dtype} from {type(value).__name__}"
             )

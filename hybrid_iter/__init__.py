@@ -27,8 +27,10 @@ from ._body import (
     TerminationCriteria,
 )
 from ._bulk_delta import BulkStep, DeltaStep, iterate_bulk, iterate_delta
-from ._config import CheckpointConfig, FaultInjection, IterationConfig, OperatorLifecycle
+from ._config import CheckpointConfig, IterationConfig, OperatorLifecycle
 from ._errors import (
+    CheckpointError,
+    ConfigTypeError,
     DataValidationError,
     HybridIterError,
     IterationConfigError,
@@ -36,6 +38,7 @@ from ._errors import (
     RemoteFailure,
     SessionError,
     SparkOpsError,
+    UsageError,
     VariablesMismatchError,
 )
 from ._iterate import iterate_bounded_streams_until_termination
@@ -51,7 +54,7 @@ from ._operators import CoordinatorOperator, IterationListener, PartitionOperato
 from ._result import IterationResult
 from ._session import Session
 from ._streams import DataStream, ReplayableDataStreamList
-from ._task import InjectedFault, PartitionCollector, PartitionContext
+from ._task import PartitionCollector, PartitionContext
 
 __version__ = "0.1.0"
 
@@ -59,6 +62,8 @@ __all__ = [
     "EPOCH_MAX",
     "BulkStep",
     "CheckpointConfig",
+    "CheckpointError",
+    "ConfigTypeError",
     "CoordinatorCollector",
     "CoordinatorContext",
     "CoordinatorListener",
@@ -66,10 +71,8 @@ __all__ = [
     "DataStream",
     "DataValidationError",
     "DeltaStep",
-    "FaultInjection",
     "ForwardInputsOfLastRound",
     "HybridIterError",
-    "InjectedFault",
     "IterationBody",
     "IterationConfig",
     "IterationConfigError",
@@ -95,6 +98,7 @@ __all__ = [
     "TerminateOnMaxIterOrTol",
     "TerminationCriteria",
     "TerminationReason",
+    "UsageError",
     "VariablesMismatchError",
     "__version__",
     "iterate_bounded_streams_until_termination",

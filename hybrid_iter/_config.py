@@ -5,9 +5,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from coordinator import RuntimeHooks
+
 from ._errors import IterationConfigError
 
-__all__ = ["CheckpointConfig", "FaultInjection", "IterationConfig", "OperatorLifecycle"]
+__all__ = ["CheckpointConfig", "IterationConfig", "OperatorLifecycle"]
 
 
 class OperatorLifecycle(str, enum.Enum):
@@ -75,33 +77,6 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FaultInjection:
-    """Deterministic faults for tests of recovery (never use in production).
-
-    * ``fail_partition=p, at_epoch=e, on_attempt=a``: subtask ``p`` raises
-      ``InjectedFault`` right before its watermark callback of epoch ``e``, on launch ``a``
-      of the stage (0 is the first; a retry is 1, ...).
-    * ``kill_coordinator_at=e``: the coordinator actor's process exits at the global
-      alignment ``e`` (once: not again after Ray restarts it).
-    """
-
-    fail_partition: int | None = None
-    at_epoch: int = 0
-    on_attempt: int = 0
-    kill_coordinator_at: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("at_epoch", "on_attempt"):
-            v = getattr(self, name)
-            if not _is_int(v) or v < 0:
-                raise IterationConfigError(f"FaultInjection.{name} must be an int >= 0, got {v!r}")
-        for name in ("fail_partition", "kill_coordinator_at"):
-            v = getattr(self, name)
-            if v is not None and (not _is_int(v) or v < 0):
-                raise IterationConfigError(f"FaultInjection.{name} must be None or an int >= 0")
-
-
-@dataclass(frozen=True, kw_only=True)
 class IterationConfig:
     """How an iteration runs.
 
@@ -124,7 +99,9 @@ class IterationConfig:
     * ``max_restarts``: relaunches after a failure (a Spark task, the coordinator); each
       restores the newest checkpoint (or starts over without one). ``None``: 3 with
       checkpoints, 0 without.
-    * ``faults``: a ``FaultInjection`` for tests.
+    * ``hooks``: a ``RuntimeHooks`` the runtime calls at named points (a coordinator
+      alignment, a subtask's watermark); tests pass the fault injections of
+      ``hybrid_iter.testing`` here. None (the default): no hooks.
     * ``call_timeout``: seconds a partition operator, a coordinator operator or a
       subtask step may make no progress before the run fails with
       ``IterationFailedError`` naming the partition or operator, the method and the
@@ -142,7 +119,7 @@ class IterationConfig:
     checkpoint: CheckpointConfig | None = None
     resume_from: str | None = None
     max_restarts: int | None = None
-    faults: FaultInjection | None = None
+    hooks: RuntimeHooks | None = None
     call_timeout: float = 600.0
 
     def __post_init__(self) -> None:
@@ -189,8 +166,11 @@ class IterationConfig:
             raise IterationConfigError(
                 f"IterationConfig.max_restarts must be None or an int >= 0, got {self.max_restarts!r}"
             )
-        if self.faults is not None and not isinstance(self.faults, FaultInjection):
-            raise IterationConfigError("IterationConfig.faults must be a FaultInjection")
+        if self.hooks is not None and not isinstance(self.hooks, RuntimeHooks):
+            raise IterationConfigError(
+                f"IterationConfig.hooks must be None or a RuntimeHooks (e.g. "
+                f"hybrid_iter.testing.FaultInjection), got {type(self.hooks).__name__}"
+            )
         if (
             isinstance(self.call_timeout, bool)
             or not isinstance(self.call_timeout, (int, float))

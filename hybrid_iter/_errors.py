@@ -2,27 +2,55 @@
 
 ::
 
-    HybridIterError
-    ├── IterationConfigError (ValueError)  bad arguments, raised before any job starts:
-    │                                      config fields, streams, variables, task slots
-    ├── DataValidationError (ValueError)   bad data met while loading it (nulls, non-numeric
-    │                                      values, an empty stream); nothing was trained
-    ├── IterationFailedError (RuntimeError) user code failed in a Spark task or in the
-    │                                      coordinator; ``failures`` maps the partition id
-    │                                      (or "coordinator") to a RemoteFailure with the
-    │                                      original traceback
-    └── SessionError (RuntimeError)        no session, or a session that cannot start
+    HybridIterError                          every error hybrid_iter and its coordinator
+    │                                        raise on purpose
+    ├── IterationConfigError (ValueError)    bad arguments, raised before any job starts:
+    │   │                                    config fields, streams, variables, task
+    │   │                                    slots, estimator and ps parameters
+    │   └── ConfigTypeError (TypeError)      an argument of the wrong type (variables
+    │                                        that are not numeric, ``out.output(tag)``
+    │                                        with a bad tag, a grad_fn's bad return)
+    ├── CliError (ValueError)                ``hybrid-iter run``: a bad flag or env var
+    ├── DataValidationError (ValueError)     bad data met while loading it (nulls,
+    │                                        non-numeric values, an empty stream);
+    │                                        nothing was trained
+    ├── IterationFailedError (RuntimeError)  user code failed in a Spark task or in the
+    │                                        coordinator; ``failures`` maps the partition
+    │                                        id (or "coordinator") to a RemoteFailure
+    ├── SessionError (RuntimeError)          no session, or a session that cannot start
+    ├── UsageError (RuntimeError)            an API called where it cannot be
+    │                                        (``out.criteria()`` without a criteria
+    │                                        stream, ``LBFGS.tell()`` once finished)
+    ├── VariablesMismatchError (ValueError)  publish_variables() with an unknown name or
+    │   ├── NonFiniteVariables               a wrong shape, NaN/inf values; partitions
+    │   └── FeedbackShapeMismatch            feeding back arrays of different shapes
+    │                                        (these arrive as the cause inside
+    │                                        IterationFailedError)
+    ├── CheckpointError                      a checkpoint cannot be found, read, trusted
+    │   ├── CheckpointCorrupt (ValueError)   failed authentication, truncated
+    │   ├── ForeignCheckpoint (ValueError)   of another run or another iteration
+    │   ├── MissingCheckpoint (RuntimeError) a restore found less than it must
+    │   └── OnlineCheckpointError            an online restart cannot restore every
+    │       (RuntimeError)                   batch Spark committed
+    ├── UnpicklableOperator (TypeError)      an operator a checkpoint cannot pickle
+    ├── CutError (RuntimeError)              the coordinator's cut protocol saw an event
+    │                                        it does not allow (a bug, not user input)
+    └── RemoteFailure                        one failure of user code, with where, epoch
+                                             and the original traceback
 
-    RemoteFailure               one failure of user code, with where/epoch/traceback
-    VariablesMismatchError      publish_variables() with an unknown name or wrong shape
-                                (arrives as the cause inside IterationFailedError)
+    SparkOpsError                            root of the spark_ops errors (full-partition,
+    ├── SparkOpsConfigError                  local aggregation, side inputs), re-exported
+    ├── PartitionFunctionError               here; the whole tree is drawn in
+    ├── NonMergeableAggregateError           ``spark_ops/_errors.py``. It is its own root
+    └── SideInputError                       because spark_ops is usable without
+                                             hybrid_iter.
 
-    SparkOpsError                   root of the spark_ops errors (full-partition, local
-    ├── SparkOpsConfigError         aggregation, side inputs), re-exported here; the
-    ├── PartitionFunctionError      whole tree is drawn in ``spark_ops/_errors.py``
-    ├── NonMergeableAggregateError  (bad arguments are still TypeError / ValueError)
-    └── SideInputError
-
+The classes the coordinator tier raises are defined in ``coordinator._errors`` (and next
+to the code that raises them in ``coordinator``), which imports neither pyspark nor
+hybrid_iter; this module re-exports the same classes, so ``hybrid_iter.HybridIterError``
+is ``coordinator.HybridIterError``. The builtin bases stay, so ``except ValueError`` /
+``except TypeError`` / ``except RuntimeError`` written for the earlier, builtin errors
+still catches them. Test-only errors (``InjectedFault``) live in ``hybrid_iter.testing``.
 All of them pickle (they cross Spark and Ray process boundaries).
 """
 
@@ -30,10 +58,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from coordinator import RemoteFailure, VariablesMismatchError
+from coordinator import (
+    CheckpointError,
+    ConfigTypeError,
+    HybridIterError,
+    IterationConfigError,
+    RemoteFailure,
+    UsageError,
+    VariablesMismatchError,
+)
 from spark_ops import SparkOpsError
 
 __all__ = [
+    "CheckpointError",
+    "ConfigTypeError",
     "DataValidationError",
     "HybridIterError",
     "IterationConfigError",
@@ -41,16 +79,9 @@ __all__ = [
     "RemoteFailure",
     "SessionError",
     "SparkOpsError",
+    "UsageError",
     "VariablesMismatchError",
 ]
-
-
-class HybridIterError(Exception):
-    """Base class of every error hybrid_iter raises on purpose."""
-
-
-class IterationConfigError(HybridIterError, ValueError):
-    """An argument is wrong; the message names it and says how to fix it."""
 
 
 class DataValidationError(HybridIterError, ValueError):

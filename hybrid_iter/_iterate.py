@@ -38,10 +38,10 @@ from coordinator import (
 from spark_ops import BarrierStage, ReplayPlan, available_task_slots, num_partitions
 
 from ._body import IterationBody
-from ._config import FaultInjection, IterationConfig, OperatorLifecycle
+from ._config import IterationConfig, OperatorLifecycle
 from ._errors import (
+    ConfigTypeError,
     DataValidationError,
-    HybridIterError,
     IterationConfigError,
     IterationFailedError,
     SessionError,
@@ -167,8 +167,11 @@ def _raise_failures(failures: list[RemoteFailure], spark_error: BaseException | 
         raise DataValidationError(f"{primary}") from primary
     if isinstance(primary.cause, UnpicklableOperator):
         raise IterationConfigError(f"{primary}") from primary
-    if isinstance(primary.cause, HybridIterError) and not isinstance(
-        primary.cause, IterationFailedError
+    # hybrid_iter's own argument and session errors reach the caller as themselves; every
+    # other error of the tree (a wrong type passed to out.*, mismatched variables, ...)
+    # arrives inside IterationFailedError, as builtin errors do
+    if isinstance(primary.cause, (IterationConfigError, SessionError)) and not isinstance(
+        primary.cause, ConfigTypeError
     ):
         raise type(primary.cause)(str(primary)) from primary
     by_source: dict[int | str, BaseException] = {}
@@ -229,7 +232,6 @@ def iterate_bounded_streams_until_termination(
     connect(address, namespace=NAMESPACE)
     checkpoint = _checkpoint_spec(config, body, streams, variables, n, _alive_nodes())
     name = f"hybrid_iter.{config.name or 'iteration'}.{uuid.uuid4().hex[:12]}"
-    faults = config.faults or FaultInjection()
     spec = CoordinatorSpec(
         num_subtasks=n,
         num_streams=len(streams),
@@ -242,7 +244,7 @@ def iterate_bounded_streams_until_termination(
         inline_limit=config.inline_variables_bytes,
         progress_tag=config.progress_tag,
         checkpoint=checkpoint,
-        kill_at_alignment=faults.kill_coordinator_at,
+        hooks=config.hooks,
         tree=tree,
     )
     plan = TaskPlan(
@@ -258,11 +260,7 @@ def iterate_bounded_streams_until_termination(
         main_per_round=per_round,
         per_round_operator=round_bytes,
         tree=tree,
-        fail_at=(
-            (faults.fail_partition, faults.at_epoch, faults.on_attempt)
-            if faults.fail_partition is not None
-            else None
-        ),
+        hooks=config.hooks,
         call_timeout=float(config.call_timeout),
     )
     # Every subtask waits in one call at a time, plus the driver's progress poll: an
@@ -295,7 +293,6 @@ def iterate_bounded_streams_until_termination(
                         spec,
                         checkpoint=checkpoint
                         and dataclasses.replace(checkpoint, restore=restore, expect_epoch=expect),
-                        kill_at_alignment=spec.kill_at_alignment if attempt == 0 else None,
                     )
                 )
             run_plan = dataclasses.replace(

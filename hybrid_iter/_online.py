@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pickle
 import sys
 import threading
@@ -44,12 +43,13 @@ from coordinator import (
     OnlineCoordinator,
     OutputRecord,
     Progress,
+    RuntimeHooks,
     normalize_variables,
 )
 
 from ._body import IterationBody
 from ._config import IterationConfig, OperatorLifecycle, _check_uri, _is_int
-from ._errors import HybridIterError, IterationConfigError, IterationFailedError
+from ._errors import CheckpointError, IterationConfigError, IterationFailedError
 from ._ray_util import NAMESPACE, connect
 from ._shipping import dumps
 from ._streams import ReplayableDataStreamList, _is_dataframe
@@ -77,7 +77,7 @@ _BINARY_FILE_SCHEMA = "path string, modificationTime timestamp, length long, con
 _STOPPING = "hybrid_iter: the online iteration is stopping"
 
 
-class OnlineCheckpointError(HybridIterError, RuntimeError):
+class OnlineCheckpointError(CheckpointError, RuntimeError):
     """The online checkpoint cannot restore every micro-batch Spark has committed; the
     message names the batch ids at risk and the choices."""
 
@@ -122,6 +122,8 @@ class OnlineConfig:
     * ``log_every_seconds``: a status line (batches/s, rows/s, files waiting, dead
       letters, checkpoint age) on the ``hybrid_iter`` logger this often; None: off.
     * ``keep_last``: snapshots kept under the checkpoint location (>= 2).
+    * ``hooks``: a ``RuntimeHooks`` the driver calls after each micro-batch it commits
+      (tests pass the fault injections of ``hybrid_iter.testing``); None: no hooks.
     """
 
     staleness: int | None = 0
@@ -139,9 +141,7 @@ class OnlineConfig:
     keep_last: int = 2
     inline_variables_bytes: int = 64 * 1024
     name: str | None = None
-    #: fault injection for tests: the driver process exits right after committing this
-    #: batch id, before Spark commits it (once: not when resuming)
-    kill_driver_after_batch: int | None = None
+    hooks: RuntimeHooks | None = None
 
     def __post_init__(self) -> None:
         if self.staleness not in (0, None):
@@ -186,6 +186,11 @@ class OnlineConfig:
                 "OnlineConfig.keep_last must be an int >= 2 (the previous snapshot is what a "
                 "corrupt newest one falls back to)"
             )
+        if self.hooks is not None and not isinstance(self.hooks, RuntimeHooks):
+            raise IterationConfigError(
+                f"OnlineConfig.hooks must be None or a RuntimeHooks (e.g. "
+                f"hybrid_iter.testing.FaultInjection), got {type(self.hooks).__name__}"
+            )
 
     @classmethod
     def from_iteration_config(cls, config: IterationConfig) -> OnlineConfig:
@@ -212,6 +217,7 @@ class OnlineConfig:
             progress_tag=config.progress_tag,
             inline_variables_bytes=config.inline_variables_bytes,
             name=config.name,
+            hooks=config.hooks,
         )
 
 
@@ -1043,8 +1049,8 @@ def iterate_unbounded_streams(
                     failed=False,
                 )
             )
-        if cfg.kill_driver_after_batch == batch_id and not resumed:
-            os._exit(17)  # fault injection: after our commit, before Spark's
+        if cfg.hooks is not None:
+            cfg.hooks.after_batch(batch_id, resumed=resumed)
 
     def _run_files(batch_df: Any, batch_id: int, bad: list[dict[str, Any]]) -> list[dict]:
         """A Parquet source's micro-batch: footers checked here, shares read by tasks."""

@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from coordinator import Emissions, RemoteFailure, VariablesPayload
+from coordinator import Emissions, RemoteFailure, RuntimeHooks, VariablesPayload
 from coordinator._tree import TreeSpec, precombine
 
-from ._errors import DataValidationError
+from ._errors import ConfigTypeError, DataValidationError, UsageError
 
 __all__ = ["PartitionCollector", "PartitionContext", "TaskPlan", "run_round", "run_subtask"]
 
@@ -56,9 +56,8 @@ class TaskPlan:
     restore: bool = False
     #: feedback_combine: merge feedback in a tree (``coordinator._tree``)
     tree: TreeSpec | None = None
-    #: fault injection for tests: ``(partition, epoch, attempt)`` raises before that
-    #: partition's watermark callback of that epoch, on that attempt
-    fail_at: tuple[int, int, int] | None = None
+    #: called at named points (``IterationConfig.hooks``); None: no hooks
+    hooks: RuntimeHooks | None = None
     #: seconds a step of this subtask may make no progress (``IterationConfig``)
     call_timeout: float = 600.0
 
@@ -106,21 +105,17 @@ class PartitionCollector:
     def output(self, tag: str, value: Any) -> None:
         """Emit a record to the iteration's outputs under ``tag``."""
         if not isinstance(tag, str) or not tag:
-            raise TypeError(f"output tag must be a non-empty string, got {tag!r}")
+            raise ConfigTypeError(f"output tag must be a non-empty string, got {tag!r}")
         self._em.outputs.append((tag, value))
 
     def criteria(self, value: Any = 1) -> None:
         """Emit a termination-criteria record: the iteration continues this epoch."""
         if not self._has_criteria:
-            raise RuntimeError(
+            raise UsageError(
                 "out.criteria() was called but the IterationBody has no criteria stream; "
                 "pass IterationBody(..., criteria=True)"
             )
         self._em.criteria += 1
-
-
-class InjectedFault(RuntimeError):
-    """Raised by the fault-injection hook (``IterationConfig(faults=...)``), for tests."""
 
 
 class _Aborted(Exception):
@@ -397,12 +392,9 @@ class _Subtask:
             self._new_round_ops()
         if inputs is not None:
             self._consume(inputs)
-        fault = self.plan.fail_at
-        if fault is not None and fault == (self.pid, e, self.plan.attempt):
-            self.step(f"injected fault before epoch {e}")
-            raise InjectedFault(
-                f"injected fault: partition {self.pid} at epoch {e} on attempt {self.plan.attempt}"
-            )
+        if self.plan.hooks is not None:
+            self.step(f"hooks before epoch {e}")
+            self.plan.hooks.before_watermark(self.pid, e, self.plan.attempt)
         if self.all_round is not None:
             self.call(self.all_round, "on_epoch_watermark_incremented", e, self.ctx, self.out)
         for op, out in self.per_round:
@@ -462,7 +454,7 @@ class _Subtask:
         import cloudpickle
 
         if blob is None:
-            raise RuntimeError(f"subtask {self.pid}: no state was stashed by the previous round")
+            raise UsageError(f"subtask {self.pid}: no state was stashed by the previous round")
         state = cloudpickle.loads(blob)
         self.k, self.rows = state["k"], state["rows"]
         self.ctx.epoch = self.k - 1

@@ -13,6 +13,7 @@ import numpy as np
 from online_ops import SCHEMA, Sums, Total
 
 import hybrid_iter as hi
+from hybrid_iter.testing import FaultInjection
 
 
 def main(input_dir: str, checkpoint: str, kill_after: int | None) -> int:
@@ -27,7 +28,7 @@ def main(input_dir: str, checkpoint: str, kill_after: int | None) -> int:
             hi.OnlineConfig(
                 checkpoint_location=checkpoint,
                 trigger={"availableNow": True},
-                kill_driver_after_batch=kill_after,
+                hooks=FaultInjection(kill_driver_after_batch=kill_after),
                 on_outputs=lambda batch_id, _: print(f"COMMITTED {batch_id}", flush=True),
             ),
         )

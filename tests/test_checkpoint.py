@@ -16,6 +16,7 @@ import pytest
 from checkpoint_job import EPOCHS, Grad, Step, data, iterate
 
 import hybrid_iter as hi
+from hybrid_iter.testing import FaultInjection
 
 TESTS = Path(__file__).resolve().parent
 
@@ -36,7 +37,7 @@ def test_a_failed_task_is_relaunched_from_the_last_checkpoint(df, clean, tmp_pat
     result = iterate(
         df,
         checkpoint=hi.CheckpointConfig(str(tmp_path), every_epochs=4),
-        faults=hi.FaultInjection(fail_partition=1, at_epoch=10),
+        hooks=FaultInjection(fail_partition=1, at_epoch=10),
     )
     assert result.variables["w"].tobytes() == clean.variables["w"].tobytes()
     assert result.outputs["w0"] == clean.outputs["w0"]  # outputs are neither lost nor doubled
@@ -49,7 +50,7 @@ def test_a_dead_coordinator_is_restarted_by_ray_and_reloads_the_checkpoint(df, c
     result = iterate(
         df,
         checkpoint=hi.CheckpointConfig(str(tmp_path), every_epochs=3),
-        faults=hi.FaultInjection(kill_coordinator_at=14),
+        hooks=FaultInjection(kill_coordinator_at=14),
     )
     assert result.variables["w"].tobytes() == clean.variables["w"].tobytes()
     info = result.extra["checkpoint"]
@@ -60,11 +61,11 @@ def test_a_dead_coordinator_is_restarted_by_ray_and_reloads_the_checkpoint(df, c
 
 def test_without_checkpoints_a_failure_is_not_retried_by_default(df):
     with pytest.raises(hi.IterationFailedError, match="injected fault"):
-        iterate(df, faults=hi.FaultInjection(fail_partition=0, at_epoch=2))
+        iterate(df, hooks=FaultInjection(fail_partition=0, at_epoch=2))
 
 
 def test_restarts_without_checkpoints_start_over(df, clean):
-    result = iterate(df, max_restarts=1, faults=hi.FaultInjection(fail_partition=0, at_epoch=2))
+    result = iterate(df, max_restarts=1, hooks=FaultInjection(fail_partition=0, at_epoch=2))
     assert result.variables["w"].tobytes() == clean.variables["w"].tobytes()
 
 
@@ -213,7 +214,7 @@ def test_async_recovery_neither_loses_nor_repeats_an_acknowledged_update(df, tmp
             max_epochs=30,
             parallelism=2,
             checkpoint=hi.CheckpointConfig(str(tmp_path), every_epochs=5),
-            faults=hi.FaultInjection(fail_partition=0, at_epoch=20),
+            hooks=FaultInjection(fail_partition=0, at_epoch=20),
         ),
         hi.IterationBody(Ids(), Applied()),
     )
@@ -237,7 +238,7 @@ def test_checkpoint_arguments():
     with pytest.raises(hi.IterationConfigError, match="CheckpointConfig"):
         hi.IterationConfig(checkpoint="/tmp/x")  # type: ignore[arg-type]
     with pytest.raises(hi.IterationConfigError, match="fail_partition"):
-        hi.FaultInjection(fail_partition=-1)
+        FaultInjection(fail_partition=-1)
 
 
 def test_checkpoints_with_replayed_streams_are_refused(spark, tmp_path):

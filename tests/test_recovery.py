@@ -16,6 +16,7 @@ import pytest
 from checkpoint_job import DIMS, Step, data
 
 import hybrid_iter as hi
+from hybrid_iter.testing import FaultInjection
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +144,7 @@ def test_an_operator_keeping_a_copy_of_the_variables_restores_bit_for_bit(
         df,
         CopyingGrad(),
         checkpoint=hi.CheckpointConfig(str(tmp_path), every_epochs=4),
-        faults=hi.FaultInjection(fail_partition=1, at_epoch=10),
+        hooks=FaultInjection(fail_partition=1, at_epoch=10),
     )
     assert faulty.extra["checkpoint"]["restored_from"].endswith("chk-0000000008.ckpt")
     assert faulty.variables["w"].tobytes() == clean.variables["w"].tobytes()
@@ -156,7 +157,7 @@ def test_an_operator_without_snapshot_state_is_checkpointed_whole(df, clean_coun
         df,
         CountingGrad(),
         checkpoint=hi.CheckpointConfig(str(tmp_path), every_epochs=4),
-        faults=hi.FaultInjection(fail_partition=0, at_epoch=14),
+        hooks=FaultInjection(fail_partition=0, at_epoch=14),
     )
     assert faulty.extra["checkpoint"]["restored_from"].endswith("chk-0000000012.ckpt")
     assert faulty.variables["w"].tobytes() == clean.variables["w"].tobytes()

@@ -11,6 +11,7 @@ import pytest
 import hybrid_iter as hi
 from coordinator._protocol import Emissions
 from coordinator._tree import SumCombiner, fold, group_bounds, precombine
+from hybrid_iter.testing import FaultInjection
 
 PARTS = 4
 DIM = 64
@@ -124,7 +125,7 @@ def test_a_killed_coordinator_restores_a_tree_run_to_the_same_bits(data, tmp_pat
         last=4,
         config_kw={
             "checkpoint": hi.CheckpointConfig(str(tmp_path), every_epochs=2),
-            "faults": hi.FaultInjection(kill_coordinator_at=3),
+            "hooks": FaultInjection(kill_coordinator_at=3),
         },
         **tree,
     )

@@ -212,7 +212,7 @@ class Model:
 
         klass = Model._registry.get(name)
         if klass is None or (cls is not Model and not issubclass(klass, cls)):
-            raise ValueError(f"{path!r} holds a {name}, not a {cls.__name__}")
+            raise IterationConfigError(f"{path!r} holds a {name}, not a {cls.__name__}")
         if hasattr(klass, "_from_saved"):  # a pyspark.ml stage (hybrid_iter.ml.linear)
             return klass._from_saved(params, arrays)
         return klass(params, arrays)

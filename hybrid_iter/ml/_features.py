@@ -29,7 +29,7 @@ import pyarrow.types as pat
 
 from spark_ops import column_to_numpy, is_numeric_arrow_type
 
-from .._errors import DataValidationError, IterationConfigError
+from .._errors import DataValidationError, IterationConfigError, UsageError
 
 __all__ = [
     "ColumnCache",
@@ -305,7 +305,7 @@ class FeatureCache:
 
     def add(self, batch: pa.RecordBatch) -> None:
         if self._sealed is not None:
-            raise RuntimeError("FeatureCache.add() after matrix(): the cache is sealed")
+            raise UsageError("FeatureCache.add() after matrix(): the cache is sealed")
         p = self.plan
         if p.kind == COLUMNS:
             self._x.add_columns([column_to_numpy(batch, name) for name in p.columns])
@@ -341,7 +341,7 @@ class FeatureCache:
     def label(self) -> np.ndarray:
         label = self._seal()[1]
         if label is None:
-            raise RuntimeError("this FeatureCache has no label column")
+            raise UsageError("this FeatureCache has no label column")
         return label
 
     def weight(self) -> np.ndarray | None:

@@ -34,6 +34,8 @@ import math
 
 import numpy as np
 
+from .._errors import IterationConfigError, UsageError
+
 __all__ = ["LBFGS"]
 
 _C1 = 1e-4
@@ -58,7 +60,7 @@ class LBFGS:
         tol: float = 1e-6,
     ) -> None:
         if memory < 1 or max_iter < 0 or not tol >= 0:
-            raise ValueError(
+            raise IterationConfigError(
                 f"LBFGS needs memory >= 1, max_iter >= 0, tol >= 0; got {memory}, {max_iter}, {tol}"
             )
         x0 = np.array(x0, dtype=np.float64).ravel()
@@ -69,7 +71,7 @@ class LBFGS:
         else:
             l1v = np.broadcast_to(np.asarray(l1, dtype=np.float64), (n,)).copy()
         if (l1v < 0).any() or not np.isfinite(l1v).all():
-            raise ValueError("LBFGS(l1=...) must be finite and >= 0")
+            raise IterationConfigError("LBFGS(l1=...) must be finite and >= 0")
         self.l1 = l1v * self.free
         self.owlqn = bool((self.l1 > 0).any())
         self.memory = memory
@@ -145,7 +147,7 @@ class LBFGS:
     def tell(self, f: float, g: np.ndarray) -> None:
         """The smooth part ``f`` and its gradient ``g`` at ``self.point``."""
         if self.done:
-            raise RuntimeError("LBFGS.tell() after the minimisation finished")
+            raise UsageError("LBFGS.tell() after the minimisation finished")
         g = np.asarray(g, dtype=np.float64).ravel()
         self.evaluations += 1
         if not self._started:

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import IterationConfigError
+
 __all__ = ["read_model", "write_model"]
 
 FORMAT = "hybrid_iter.ml"
@@ -28,12 +30,12 @@ def _filesystem(path: str) -> tuple[Any, str]:
     import pyarrow.fs as pafs
 
     if not isinstance(path, str) or not path:
-        raise ValueError(f"path must be a local path or a pyarrow.fs URI, got {path!r}")
+        raise IterationConfigError(f"path must be a local path or a pyarrow.fs URI, got {path!r}")
     if "://" in path:
         try:
             return pafs.FileSystem.from_uri(path)
         except Exception as ex:
-            raise ValueError(
+            raise IterationConfigError(
                 f"path {path!r} is not a URI pyarrow.fs can open ({ex}); use a local path, "
                 f"file:///..., s3://..., gs://... or hdfs://..."
             ) from ex
@@ -96,9 +98,11 @@ def read_model(path: str) -> tuple[str, dict[str, Any], dict[str, np.ndarray]]:
     with fs.open_input_stream(meta_path) as f:
         meta = json.loads(f.read().decode())
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{path!r} is not a hybrid_iter.ml model (format {meta.get('format')!r})")
+        raise IterationConfigError(
+            f"{path!r} is not a hybrid_iter.ml model (format {meta.get('format')!r})"
+        )
     if meta.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(
+        raise IterationConfigError(
             f"{path!r} was saved by a newer hybrid_iter (model format "
             f"{meta['format_version']}); upgrade hybrid_iter to load it"
         )

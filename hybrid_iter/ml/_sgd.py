@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from coordinator import RuntimeHooks
+
 from .._errors import DataValidationError
 from .._operators import CoordinatorOperator, PartitionOperator
 from ._features import FeatureCache, FeaturePlan
@@ -112,13 +114,13 @@ class _LinearTask(PartitionOperator):
         logistic: bool,
         global_batch_size: int | None,
         seed: int,
-        straggler: tuple[int, float] | None = None,
+        hooks: RuntimeHooks | None = None,
     ) -> None:
         self.plan = plan
         self.logistic = logistic
         self.global_batch_size = global_batch_size
         self.seed = seed
-        self.straggler = straggler
+        self.hooks = hooks
 
     def open(self, ctx: Any) -> None:
         self.cache = FeatureCache(self.plan)
@@ -157,7 +159,7 @@ class _LinearTask(PartitionOperator):
     def on_epoch_watermark_incremented(self, epoch: int, ctx: Any, out: Any) -> None:
         started = time.time()
         X, y, sw = self._sealed(ctx)
-        t0 = time.perf_counter()  # the straggler's slowdown scales the gradient, not loading
+        t0 = time.perf_counter()  # the gradient, not loading
         if self.batch is not None and len(y):
             assert self.order is not None
             take = self.order[(self.pos + np.arange(self.batch)) % len(y)]
@@ -171,9 +173,8 @@ class _LinearTask(PartitionOperator):
         packed[: d + 3] = linear_gradient(X, y, self.w, self.b, sw, logistic=self.logistic)
         packed[d + 3] = started
         out.feedback(packed)
-        if self.straggler is not None and self.straggler[0] == ctx.partition_id:
-            # a simulated straggler (benchmarks): this subtask computes `factor` x slower
-            time.sleep((self.straggler[1] - 1.0) * (time.perf_counter() - t0))
+        if self.hooks is not None:  # e.g. a simulated straggler (hybrid_iter.testing)
+            self.hooks.after_epoch_compute(ctx.partition_id, time.perf_counter() - t0)
 
 
 # -- Ray coordinator actor ----------------------------------------------------------------

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from coordinator import RuntimeHooks
+
 from .._body import IterationBody
 from .._errors import DataValidationError
 from .._operators import CoordinatorOperator, PartitionOperator
@@ -163,14 +165,14 @@ class _KMeansTask(PartitionOperator):
         random_init: bool,
         seed: int,
         cosine: bool,
-        straggler: tuple[int, float] | None = None,
+        hooks: RuntimeHooks | None = None,
     ) -> None:
         self.plan = plan
         self.k = k
         self.random_init = random_init
         self.seed = seed
         self.cosine = cosine
-        self.straggler = straggler
+        self.hooks = hooks
 
     def open(self, ctx: Any) -> None:
         self.cache = FeatureCache(self.plan)
@@ -215,7 +217,7 @@ class _KMeansTask(PartitionOperator):
     def on_epoch_watermark_incremented(self, epoch: int, ctx: Any, out: Any) -> None:
         started = time.time()
         X = self._data_cached = self._data(ctx)
-        t0 = time.perf_counter()  # the straggler's slowdown scales the pass, not loading
+        t0 = time.perf_counter()  # the pass, not loading
         phase, n_cand, step = (int(v) for v in self.vars["state"])
         pid = ctx.partition_id
         if phase == PICK:
@@ -244,8 +246,8 @@ class _KMeansTask(PartitionOperator):
             counts = np.bincount(idx, minlength=len(C)).astype(float)
             out.feedback((phase, started, sums, counts, float(dmin.sum())))
             self.dmin = None  # the init's distances are no longer needed
-        if self.straggler is not None and self.straggler[0] == pid:
-            time.sleep((self.straggler[1] - 1.0) * (time.perf_counter() - t0))
+        if self.hooks is not None:
+            self.hooks.after_epoch_compute(pid, time.perf_counter() - t0)
 
 
 # -- Ray coordinator actor ----------------------------------------------------------------
@@ -416,7 +418,8 @@ class KMeans:
         """Cluster ``df`` (one iteration; the data is read once into the subtasks)."""
         return self._fit(df)
 
-    def _fit(self, df: Any, straggler: tuple[int, float] | None = None) -> KMeansModel:
+    def _fit(self, df: Any, *, hooks: RuntimeHooks | None = None) -> KMeansModel:
+        """``fit`` with test hooks (``hybrid_iter.testing.Straggler``) in every subtask."""
         check_dataframe("KMeans", df)
         plan = resolve_features(df, self.features_col)
         random_init = self.init_mode == "random"
@@ -430,7 +433,7 @@ class KMeans:
             "cost": 0.0,
         }
         body = IterationBody(
-            partition=_KMeansTask(plan, self.k, random_init, self.seed, cosine, straggler),
+            partition=_KMeansTask(plan, self.k, random_init, self.seed, cosine, hooks),
             coordinator=_KMeansServer(
                 k=self.k,
                 random_init=random_init,

@@ -36,6 +36,8 @@ from pyspark.ml import Estimator
 from pyspark.ml import Model as SparkModel
 from pyspark.ml.util import DefaultParamsReadable, DefaultParamsWritable
 
+from coordinator import RuntimeHooks
+
 from .._body import IterationBody
 from .._errors import IterationConfigError
 from ._base import (
@@ -235,7 +237,7 @@ def _fit_sgd(
     plan: FeaturePlan,
     *,
     logistic: bool,
-    straggler: tuple[int, float] | None,
+    hooks: RuntimeHooks | None,
     trace_weights: bool,
 ) -> tuple[np.ndarray, np.ndarray, Any, TrainingSummary]:
     owner = type(est).__name__
@@ -244,7 +246,7 @@ def _fit_sgd(
     init = {"coef": np.zeros(plan.dim), "intercept": 0.0}
     gbs = v("global_batch_size")
     body = IterationBody(
-        partition=_LinearTask(plan, logistic, gbs, v("seed"), straggler),
+        partition=_LinearTask(plan, logistic, gbs, v("seed"), hooks),
         coordinator=_LinearServer(
             learning_rate=float(v("learning_rate")),
             reg=float(v("reg")),
@@ -438,12 +440,12 @@ class LogisticRegression(_LinearEstimator):
         self,
         dataset: Any,
         *,
-        straggler: tuple[int, float] | None = None,
+        hooks: RuntimeHooks | None = None,
         trace_weights: bool = False,
     ) -> LogisticRegressionModel:
-        """``fit`` with benchmark hooks (``solver="sgd"``): ``straggler=(partition,
-        factor)`` makes that subtask ``factor`` x slower; ``trace_weights`` outputs every
-        version with its time."""
+        """``fit`` with benchmark hooks (``solver="sgd"``): ``hooks`` are called in every
+        subtask (``hybrid_iter.testing.Straggler(partition, factor)`` makes that subtask
+        ``factor`` x slower); ``trace_weights`` outputs every version with its time."""
         plan = _prepare(self, dataset)
         if self.value("solver") == "sgd":
             if self.value("family") == "multinomial":
@@ -452,7 +454,7 @@ class LogisticRegression(_LinearEstimator):
                     "for family='multinomial'"
                 )
             B, b, result, summary = _fit_sgd(
-                self, dataset, plan, logistic=True, straggler=straggler, trace_weights=trace_weights
+                self, dataset, plan, logistic=True, hooks=hooks, trace_weights=trace_weights
             )
         else:
             B, b, result, summary = _fit_glm(self, dataset, plan, family=self.value("family"))
@@ -477,7 +479,7 @@ class LinearRegression(_LinearEstimator):
         self,
         dataset: Any,
         *,
-        straggler: tuple[int, float] | None = None,
+        hooks: RuntimeHooks | None = None,
         trace_weights: bool = False,
     ) -> LinearRegressionModel:
         plan = _prepare(self, dataset)
@@ -487,7 +489,7 @@ class LinearRegression(_LinearEstimator):
                 dataset,
                 plan,
                 logistic=False,
-                straggler=straggler,
+                hooks=hooks,
                 trace_weights=trace_weights,
             )
         else:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import IterationConfigError
+from .._errors import ConfigTypeError, IterationConfigError
 
 __all__ = ["Layout", "Sparse"]
 
@@ -36,12 +36,12 @@ class Sparse:
         idx = np.asarray(self.indices)
         vals = np.asarray(self.values)
         if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"Sparse.indices must be a 1-D array of integers, got shape {idx.shape} "
                 f"dtype {idx.dtype}"
             )
         if vals.ndim < 1 or len(vals) != len(idx) or vals.dtype.kind not in "biuf":
-            raise TypeError(
+            raise ConfigTypeError(
                 f"Sparse.values must be numbers with one entry (row) per index: "
                 f"{len(idx)} indices, values of shape {vals.shape}"
             )
@@ -104,13 +104,13 @@ class Layout:
             parts = [(0, self.shapes[0], grad, "grad")]
         else:
             if not isinstance(grad, Mapping):
-                raise TypeError(
+                raise ConfigTypeError(
                     f"grad_fn must return the gradient as a dict like init (keys "
                     f"{list(self.names)}), got {type(grad).__name__}"
                 )
             unknown = set(grad) - set(self.names)
             if unknown:
-                raise TypeError(
+                raise ConfigTypeError(
                     f"grad_fn returned gradients of unknown parameters {sorted(unknown)}; "
                     f"init has {list(self.names)}"
                 )
@@ -144,7 +144,7 @@ class Layout:
                 continue
             arr = np.asarray(g)
             if arr.size != n or arr.dtype.kind not in "biuf":
-                raise TypeError(
+                raise ConfigTypeError(
                     f"grad_fn returned {what} of shape {arr.shape} ({arr.dtype}); the "
                     f"parameter has shape {shape}: return an array of that shape or a "
                     f"hybrid_iter.ps.Sparse"
@@ -173,7 +173,7 @@ def _sparse_flat(g: Sparse, shape: tuple[int, ...], what: str) -> tuple[np.ndarr
     width = int(np.prod(inner, dtype=np.int64)) if inner else 1
     idx, vals = g.indices, g.values
     if tuple(vals.shape[1:]) != tuple(inner):
-        raise TypeError(
+        raise ConfigTypeError(
             f"grad_fn returned {what} as Sparse with values of shape {vals.shape}; for a "
             f"parameter of shape {shape} they must be (len(indices), *{tuple(inner)})"
         )

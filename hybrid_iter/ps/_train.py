@@ -39,7 +39,7 @@ from coordinator._ps import ShardSpec, shard_class
 
 from .._body import IterationBody
 from .._config import IterationConfig
-from .._errors import IterationConfigError
+from .._errors import ConfigTypeError, IterationConfigError
 from .._iterate import iterate_bounded_streams_until_termination
 from .._operators import CoordinatorOperator, PartitionOperator
 from .._ray_util import NAMESPACE
@@ -185,7 +185,7 @@ class _Worker(PartitionOperator):
     def _call(self, w: np.ndarray, batch: dict[str, np.ndarray]) -> tuple[float, Any]:
         got = self.grad_fn(self.layout.unflatten(w), batch)
         if not isinstance(got, tuple) or len(got) != 2:
-            raise TypeError(
+            raise ConfigTypeError(
                 f"grad_fn must return (loss, gradient), got {type(got).__name__}; e.g. "
                 f"`return float(loss), grad`"
             )
@@ -193,7 +193,7 @@ class _Worker(PartitionOperator):
         try:
             loss = float(loss)
         except (TypeError, ValueError):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"grad_fn must return the batch's mean loss as a number first, got "
                 f"{type(loss).__name__}"
             ) from None

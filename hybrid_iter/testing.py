@@ -1,0 +1,105 @@
+"""Test-only hooks: injected faults, forced process exits, simulated stragglers.
+
+Nothing here runs unless a test or a benchmark passes it in. The product only calls a
+``RuntimeHooks`` object at named points (``IterationConfig(hooks=...)``,
+``OnlineConfig(hooks=...)``, the ``hybrid_iter.ml`` estimators' private ``_fit(...,
+hooks=...)``); the actions live here::
+
+    from hybrid_iter.testing import FaultInjection, Straggler
+
+    config = hi.IterationConfig(hooks=FaultInjection(fail_partition=1, at_epoch=10))
+    config = hi.IterationConfig(hooks=FaultInjection(kill_coordinator_at=14))
+    online = hi.OnlineConfig(hooks=FaultInjection(kill_driver_after_batch=3))
+    model = LogisticRegression(solver="sgd")._fit(df, hooks=Straggler(partition=1, factor=4))
+
+Never use these in production: they end processes and sleep on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from coordinator import HybridIterError, RuntimeHooks
+
+from ._config import _is_int
+from ._errors import IterationConfigError
+
+__all__ = ["EXIT_CODE", "FaultInjection", "InjectedFault", "RuntimeHooks", "Straggler"]
+
+#: the status a process ended by a ``FaultInjection`` exits with
+EXIT_CODE = 17
+
+
+class InjectedFault(HybridIterError, RuntimeError):
+    """Raised by ``FaultInjection(fail_partition=...)`` in a Spark task, for tests."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultInjection(RuntimeHooks):
+    """Deterministic faults for tests of recovery (never use in production).
+
+    * ``fail_partition=p, at_epoch=e, on_attempt=a``: subtask ``p`` raises
+      ``InjectedFault`` right before its watermark callback of epoch ``e``, on launch ``a``
+      of the stage (0 is the first; a retry is 1, ...).
+    * ``kill_coordinator_at=e``: the coordinator actor's process exits at the global
+      alignment ``e`` of the first launch (once: not again after Ray restarts it).
+    * ``kill_driver_after_batch=b`` (``iterate_unbounded_streams``): the driver process
+      exits right after committing micro-batch ``b``, before Spark commits it (once: not
+      in a query that resumed).
+    """
+
+    fail_partition: int | None = None
+    at_epoch: int = 0
+    on_attempt: int = 0
+    kill_coordinator_at: int | None = None
+    kill_driver_after_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("at_epoch", "on_attempt"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 0:
+                raise IterationConfigError(f"FaultInjection.{name} must be an int >= 0, got {v!r}")
+        for name in ("fail_partition", "kill_coordinator_at", "kill_driver_after_batch"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 0):
+                raise IterationConfigError(f"FaultInjection.{name} must be None or an int >= 0")
+
+    def at_alignment(self, epoch: int, *, attempt: int | None, restarted: bool) -> None:
+        if epoch == self.kill_coordinator_at and not attempt and not restarted:
+            os._exit(EXIT_CODE)  # the coordinator's process dies here
+
+    def before_watermark(self, partition: int, epoch: int, attempt: int) -> None:
+        if (partition, epoch, attempt) == (self.fail_partition, self.at_epoch, self.on_attempt):
+            raise InjectedFault(
+                f"injected fault: partition {partition} at epoch {epoch} on attempt {attempt}"
+            )
+
+    def after_batch(self, batch_id: int, *, resumed: bool) -> None:
+        if batch_id == self.kill_driver_after_batch and not resumed:
+            os._exit(EXIT_CODE)  # after our commit, before Spark's
+
+
+@dataclass(frozen=True)
+class Straggler(RuntimeHooks):
+    """Subtask ``partition`` computes ``factor`` times slower than it does (benchmarks of
+    async and bounded-staleness modes): it sleeps ``(factor - 1)`` times the compute time
+    of each epoch, loading excluded."""
+
+    partition: int
+    factor: float
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.partition) or self.partition < 0:
+            raise IterationConfigError(
+                f"Straggler.partition must be an int >= 0, got {self.partition!r}"
+            )
+        if not isinstance(self.factor, int | float) or not self.factor >= 1:
+            raise IterationConfigError(
+                f"Straggler.factor must be a number >= 1, got {self.factor!r}"
+            )
+
+    def after_epoch_compute(self, partition: int, seconds: float) -> None:
+        if partition == self.partition:
+            time.sleep((self.factor - 1.0) * seconds)
