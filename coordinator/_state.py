@@ -32,10 +32,11 @@ Vocabulary (DESIGN.md section 3, as implemented here):
 from __future__ import annotations
 
 import collections
-
 import enum
 from dataclasses import dataclass
 from typing import Any
+
+from ._errors import HybridIterError
 
 __all__ = ["EpochCounts", "EpochStateMachine", "Release", "StateMachineError", "TerminationReason"]
 
@@ -81,7 +82,7 @@ class TerminationReason(str, enum.Enum):
 _FORMER_NAMES = {"no_feedback": "no_variables_published"}
 
 
-class StateMachineError(RuntimeError):
+class StateMachineError(HybridIterError, RuntimeError):
     """An event that the protocol does not allow (a bug in the shell, not user input)."""
 
 

@@ -176,7 +176,11 @@ def linreg_big(
 ) -> Any:
     config: dict[str, Any] = {"staleness": staleness, "max_epochs": epochs, "progress": False}
     if checkpoint is not None:
-        config["checkpoint"] = hi.CheckpointConfig(path=checkpoint, every_epochs=1)
+        # every raylet runs on this machine: a local directory is shared by all nodes,
+        # which a multi-node checkpoint must declare (else it is refused as node-local)
+        config["checkpoint"] = hi.CheckpointConfig(
+            path=checkpoint, every_epochs=1, shared_filesystem=True
+        )
         config["max_restarts"] = 3
     return hi.iterate_bounded_streams_until_termination(
         {"w": np.zeros(len(FEATURES)), "big": np.zeros(BIG)},
@@ -190,7 +194,12 @@ def linreg_big(
 
 def fit_ml(spark: Any) -> Any:
     return ml.LogisticRegression(
-        features_col=FEATURES, label_col="label", max_iter=5, learning_rate=0.8, progress=False
+        features_col=FEATURES,
+        label_col="label",
+        max_iter=5,
+        solver="sgd",
+        learning_rate=0.8,
+        progress=False,
     ).fit(frame(spark))
 
 
@@ -324,7 +333,10 @@ def main(argv: list[str] | None = None) -> int:
 
         marker_dir = work / "markers"
         marker_dir.mkdir()
-        killer = threading.Thread(target=_kill_a_worker_node, args=(marker_dir, report))
+        # a daemon: a run that fails before the kill must not leave the job waiting for it
+        killer = threading.Thread(
+            target=_kill_a_worker_node, args=(marker_dir, report), daemon=True
+        )
         killer.start()
         # A local directory is a shared path here: every raylet runs on this machine.
         r = linreg_big(spark, checkpoint=str(work / "checkpoints"), marker_dir=str(marker_dir))

@@ -19,11 +19,6 @@ from hybrid_iter import SparkOpsError
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN_BASES = (ValueError, TypeError, RuntimeError, LookupError, TimeoutError)
 
-#: coordinator/_state.py is being reworked elsewhere; its StateMachineError (a bug in the
-#: shell, never user input) joins the tree with that change
-NOT_YET_IN_TREE = {"StateMachineError"}
-
-
 def _exported_exceptions() -> list[tuple[str, type[BaseException]]]:
     found = []
     for module in (hi, coordinator, hybrid_iter.ml, hybrid_iter.ps):
@@ -48,8 +43,6 @@ def test_the_public_surface_exports_exceptions():
 
 @pytest.mark.parametrize(("name", "cls"), EXPORTED, ids=[n for n, _ in EXPORTED])
 def test_every_public_exception_is_in_one_tree(name, cls):
-    if cls.__name__ in NOT_YET_IN_TREE:
-        pytest.skip(f"{name}: joins the tree with the coordinator/_state.py rework")
     assert issubclass(cls, (hi.HybridIterError, SparkOpsError)), name
 
 
