@@ -1,7 +1,16 @@
-"""Spark data plane of hybrid_iter: partition caching to numpy/Arrow and the barrier
-stage that feeds each subtask its data once.
+"""Spark data plane of hybrid_iter, usable on its own (never imports ray or hybrid_iter).
 
-Never imports ray or hybrid_iter.
+* The barrier stage and the Arrow -> numpy partition cache (``barrier``,
+  ``partition_cache``): each subtask of an iteration reads its data once.
+* Full-partition operators (FLIP-380; ``full_partition``): ``map_partition``,
+  ``sort_partition``, ``aggregate``, ``reduce`` over whole partitions or key groups, with
+  rich functions (``open(ctx)`` / ``close()``).
+* Skew-proof local aggregation (FLIP-323; ``local_agg``): ``local_key_by`` pre-aggregates
+  in each task before the shuffle.
+* Side inputs (FLIP-17; ``side_inputs``): broadcast and keyed singleton / list / map /
+  multimap views for bounded and streaming main inputs.
+
+Every error raised on purpose derives from ``SparkOpsError`` (the tree: ``_errors``).
 """
 
 from ._errors import SparkOpsConfigError, SparkOpsError, SparkOpsIndexError
