@@ -15,7 +15,8 @@ The initialisation runs inside the same iteration, as epochs before Lloyd's:
   distance to the nearest candidate) and a sampling pass (each row kept with
   probability ``2k * d^2 / cost``); a weights pass counts the rows nearest to each
   candidate, and the coordinator reduces the weighted candidates to ``k`` centres by
-  k-means++ and 30 Lloyd iterations locally, as MLlib does.
+  greedy k-means++ and 30 Lloyd iterations locally (MLlib reduces them with plain
+  k-means++; see ``_local_kmeans`` for why greedy).
 
 Random draws are seeded by ``(seed, partition, step)``: the same data in the same
 partitions with the same seed gives the same model. A centre that loses all its points
