@@ -182,6 +182,42 @@ def _raise_failures(failures: list[RemoteFailure], spark_error: BaseException | 
     )
 
 
+#: how long a relaunch waits for lost executors to come back (at most call_timeout)
+SLOT_WAIT_SECONDS = 120.0
+
+
+def _wait_for_slots(
+    spark: Any, n: int, config: IterationConfig, attempt: int, checkpoint: Any, expect: Any
+) -> None:
+    """Before relaunch ``attempt``: the barrier stage needs ``n`` task slots at once. A
+    failure that took an executor with it leaves fewer until the cluster manager
+    replaces it; Spark would then hold the stage without a word. Wait for them, bounded,
+    and else fail naming the cause (the checkpoints stay for a resume)."""
+    limit = min(SLOT_WAIT_SECONDS, float(config.call_timeout))
+    deadline = time.monotonic() + limit
+    slots = available_task_slots(spark)
+    while slots < n and time.monotonic() < deadline:
+        time.sleep(0.5)  # polling an external registration (executors), bounded
+        slots = available_task_slots(spark)
+    if slots >= n:
+        return
+    where = ""
+    if checkpoint is not None:
+        where = (
+            f"; the checkpoints in {checkpoint.path!r}"
+            + (f" (newest: epoch {expect})" if expect is not None else "")
+            + " are kept: resume with IterationConfig(resume_from=...) once executors are "
+            "back"
+        )
+    raise IterationFailedError(
+        f"relaunch {attempt} needs {n} Spark task slots at once (one barrier stage), but "
+        f"only {slots} are registered {limit:.0f} s after the failure: an executor was lost "
+        f"and not replaced. Add executors (or let the cluster manager replace them), or run "
+        f"with a lower IterationConfig(parallelism=...){where}",
+        {},
+    )
+
+
 def iterate_bounded_streams_until_termination(
     init_variables: Mapping[str, Any],
     data_streams: ReplayableDataStreamList,
@@ -299,6 +335,8 @@ def iterate_bounded_streams_until_termination(
                 plan, actor_name=actor_name, attempt=attempt, restore=restore
             )
             _call(actor, "begin_attempt", attempt)
+            if attempt > 0:
+                _wait_for_slots(spark, n, config, attempt, checkpoint, expect)
             monitor = _Monitor(actor, spark.sparkContext, name, config, n)
             try:
                 if streams.any_replayed:

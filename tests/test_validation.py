@@ -333,3 +333,22 @@ def test_empty_data_that_spark_optimizes_away(spark):
     none = spark.createDataFrame([], "x0 double, y double")
     with pytest.raises(hi.DataValidationError, match="no rows"):
         iterate(none, parallelism=2)
+
+
+def test_a_relaunch_without_enough_task_slots_fails_naming_the_cause(spark):
+    """After a failure that took an executor with it, a relaunch that cannot get its
+    barrier stage's slots back fails within a bound, naming slots and the resume, instead
+    of Spark holding the stage without a word."""
+    import types
+
+    from hybrid_iter._iterate import _wait_for_slots
+
+    slots = spark.sparkContext.defaultParallelism
+    config = hi.IterationConfig(call_timeout=0.2)
+    ckpt = types.SimpleNamespace(path="s3://bucket/run")
+    with pytest.raises(hi.IterationFailedError) as err:
+        _wait_for_slots(spark, slots + 3, config, 1, ckpt, 4)
+    message = str(err.value)
+    assert f"needs {slots + 3} Spark task slots" in message and f"only {slots} are" in message
+    assert "'s3://bucket/run' (newest: epoch 4)" in message and "resume_from" in message
+    _wait_for_slots(spark, slots, config, 1, ckpt, 4)  # enough: returns at once
