@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 
 import pytest
 
@@ -23,10 +25,68 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 SLOTS = 4
 
 
+def _children() -> dict[int, str]:
+    """Live (non-zombie) direct children of this process: pid -> command name."""
+    me = os.getpid()
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+        if int(ppid) == me and state != "Z":
+            found[int(entry)] = name
+    return found
+
+
+def _fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _check_leaks(fds_before: int, keep: set[int], threads_before: set[int]) -> None:
+    """Fail the session if stopping Spark and Ray left processes, threads or descriptors.
+
+    The py4j gateway JVM (``keep``) lives as long as the interpreter by design. Children
+    are given a bounded time to exit after Ray's shutdown signalled them (a condition
+    polled with a deadline, not a sleep standing in for synchronisation).
+    """
+    deadline = time.monotonic() + 30
+    left = {p: n for p, n in _children().items() if p not in keep}
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = {p: n for p, n in _children().items() if p not in keep}
+    threads = [
+        t
+        for t in threading.enumerate()
+        if t.ident not in threads_before and not t.daemon and t is not threading.current_thread()
+    ]
+    grown = _fd_count() - fds_before
+    problems = []
+    if left:
+        problems.append(f"child processes still running: {sorted(left.items())}")
+    if threads:
+        problems.append(f"non-daemon threads still running: {[t.name for t in threads]}")
+    # Slack for the gateway JVM's pipes and the interpreter's own lazily opened files;
+    # a per-test leak over ~500 tests is far above it.
+    if grown > 64:
+        problems.append(f"{grown} more open file descriptors than before the session")
+    if problems:
+        raise AssertionError("resources leaked by the test session: " + "; ".join(problems))
+
+
 @pytest.fixture(scope="session")
 def session():
     import hybrid_iter as hi
 
+    fds_before = _fd_count()
+    children_before = set(_children())
+    threads_before = {t.ident for t in threading.enumerate()}
     s = hi.Session.local(
         SLOTS,
         spark_conf={
@@ -40,7 +100,9 @@ def session():
         s.spark.range(4, numPartitions=SLOTS).count()  # warm-up: Python workers and JVM
         yield s
     finally:
+        gateway = s.spark.sparkContext._gateway.proc.pid
         s.stop()
+    _check_leaks(fds_before, children_before | {gateway}, threads_before)
 
 
 @pytest.fixture(scope="session")
