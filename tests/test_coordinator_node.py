@@ -53,7 +53,7 @@ def run(spark) -> dict[str, Any]:  # the shared session first: it outlives this 
     worker = {
         "ray_start_params": {
             "num-cpus": "1",
-            "resources": '\'{"coord": 1}\'',
+            "resources": "'{\"coord\": 1}'",
             "object-store-memory": str(100 * MiB),
         }
     }
@@ -84,7 +84,9 @@ def run(spark) -> dict[str, Any]:  # the shared session first: it outlives this 
         )
     finally:
         cluster.stop()
-    detail = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-8000:]}"
+    detail = (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-8000:]}"
+    )
     assert proc.returncode == 0, detail
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     assert len(lines) == 1, detail
