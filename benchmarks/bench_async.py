@@ -22,9 +22,7 @@ Writes JSON to benchmarks/results/async.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -38,6 +36,7 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 import logistic_regression as lr_example  # noqa: E402
 import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
+from _harness import write_report  # noqa: E402
 
 import hybrid_iter as hi  # noqa: E402
 from hybrid_iter import ml  # noqa: E402
@@ -190,7 +189,6 @@ def main() -> None:
         "updates": {n: median(v) for n, v in epochs.items()},
         "runs": times,
         "plot": str(plot),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "targets": {"async_over_sync": "<= 0.5"},
     }
     print()
@@ -200,9 +198,7 @@ def main() -> None:
             f"{name:6s} {value if value is None else round(value, 3)} s to the target"
             + (f"   {ratio:.2f}x sync" if ratio is not None else "")
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    out = write_report(report, args.out)
     print(f"wrote {out} and {plot}")
 
 

@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import pickle
-import platform
 import shutil
 import statistics
 import struct
@@ -38,6 +36,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _harness import write_report
 
 import hybrid_iter as hi
 from hybrid_iter.testing import FaultInjection
@@ -114,7 +113,6 @@ def main() -> None:
         "note": "shared 2-core machine, other jobs running: noisy",
         "epochs": args.epochs,
         "repeats": args.repeats,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "models": {},
     }
     with hi.Session.local(parallelism=2) as session:
@@ -203,9 +201,7 @@ def main() -> None:
                 f"(x{m['store']['ratio']:.2f})",
                 flush=True,
             )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    out = write_report(report, args.out)
     print(f"wrote {out}")
 
 

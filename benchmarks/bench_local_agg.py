@@ -23,7 +23,8 @@ is collected), Spark ``local[--cores]``:
   if you run it at full size).
 * ``rdd_reduce_by_key`` (``--rdd``): ``df.rdd.map(...).reduceByKey(add)``.
 
-Prints medians and ratios and the local aggregation's metrics (rows in, partials
+Every contender gets the same accounting: one warm-up run, then ``--repeats`` timed runs
+(median reported). Prints medians and ratios and the local aggregation's metrics (rows in, partials
 shuffled, busiest reducer) and checks ``partials <= local tasks x distinct keys``;
 writes JSON to benchmarks/results/local_agg.json.
 """
@@ -31,14 +32,13 @@ writes JSON to benchmarks/results/local_agg.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import _harness as harness
 import numpy as np
 import pyarrow as pa
 
@@ -127,10 +127,9 @@ def run_noop(df) -> float:
     return time.perf_counter() - t
 
 
-def measure(make, repeats: int, warmup: bool = True) -> list[float]:
-    if warmup:
-        run_noop(make())
-    return [run_noop(make()) for _ in range(repeats)]
+def measure(make, repeats: int) -> list[float]:
+    """The same accounting for every contender: one warm-up run, then ``repeats`` runs."""
+    return harness.measure(lambda: run_noop(make()), repeats, warmup=1).values
 
 
 def main() -> None:
@@ -172,9 +171,7 @@ def main() -> None:
         results = run(spark, F, args, partitions)
     finally:
         spark.stop()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {harness.write_report(results, args.out)}")
 
 
 def make_data(spark, rows: int, args, partitions: int):
@@ -215,21 +212,18 @@ def run(spark, F, args, partitions: int) -> dict:
     record("numpy_two_phase", measure(lambda: numpy_two_phase(data), args.repeats))
     if not args.skip_rowwise:
         rowwise = view.aggregate(PySumRowwise(), "v", result_type="double")
-        record("local_agg_rowwise", measure(lambda: rowwise.df, 1, warmup=False))
+        record("local_agg_rowwise", measure(lambda: rowwise.df, args.repeats))
     if args.rdd:
         import operator
 
         def rdd_job():
-            t = time.perf_counter()
             data.rdd.map(lambda r: (r[0], r[1])).reduceByKey(operator.add).count()
-            return time.perf_counter() - t
 
-        rdd_job()
-        record("rdd_reduce_by_key", [rdd_job() for _ in range(max(1, args.repeats // 2))])
+        record("rdd_reduce_by_key", harness.measure(rdd_job, args.repeats).seconds)
     if not args.skip_pandas:
         prow = args.pandas_rows or args.rows
         pdata = data if prow == args.rows else make_data(spark, prow, args, partitions)
-        times = measure(lambda: apply_in_pandas(pdata), 1, warmup=False)
+        times = measure(lambda: apply_in_pandas(pdata), args.repeats)
         scale = args.rows / prow
         label = "measured" if prow == args.rows else f"extrapolated x{scale:g} from {prow:,} rows"
         record(
@@ -295,11 +289,7 @@ def run(spark, F, args, partitions: int) -> dict:
         "ratios": ratios,
         "checks": checks,
         "metrics": metrics.__dict__,
-        "machine": {
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-        },
+        "accounting": "every contender: one warm-up run, then --repeats runs (noop sink)",
     }
 
 

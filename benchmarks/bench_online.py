@@ -27,10 +27,8 @@ of 100 ms), p50 and p99 over ``--latency-samples`` files landing one after anoth
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -40,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from _harness import write_report
 
 import hybrid_iter as hi
 
@@ -200,7 +199,6 @@ def main() -> None:
         "note": "shared 2-core machine, other jobs running: figures are noisy",
         "features": D,
         "partitions": args.partitions,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "batch_sizes": {},
     }
     root = Path(tempfile.mkdtemp(prefix="bench_online_"))
@@ -290,9 +288,7 @@ def main() -> None:
                 f"{percentile(lat, 0.5):.3f} s, p99 {percentile(lat, 0.99):.3f} s, max {max(lat):.3f} s"
             )
     shutil.rmtree(root, ignore_errors=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    out = write_report(report, args.out)
     print(f"wrote {out}")
 
 

@@ -29,14 +29,12 @@ Prints medians; writes JSON to benchmarks/results/ps.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
+from _harness import write_report
 
 import hybrid_iter as hi
 from hybrid_iter import ps
@@ -279,7 +277,6 @@ def main() -> None:
     ref = next((r for r in rows if r["size"] == 1_000_000 and r["shards"] == 1), None)
     report = {
         "benchmark": "parameter server round trips (issue 10)",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "results": rows,
         "train_10m": big,
         "note": "2 shared cores, other jobs running: ratios are side by side (interleaved)",
@@ -290,9 +287,7 @@ def main() -> None:
             r["size"]: r["ratio_to_plain_actor"] for r in rows if r["shards"] == 1
         },
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    out = write_report(report, args.out)
     print(f"wrote {out}")
 
 

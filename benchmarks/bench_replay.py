@@ -26,9 +26,6 @@ Prints medians and ratios; writes JSON to benchmarks/results/replay.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -40,6 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
 sys.path.insert(0, str(HERE))
 
+from _harness import write_report  # noqa: E402
 from bench_iteration import mllib_seconds_per_iteration  # noqa: E402
 from logistic_regression import LogisticGradient, ParameterServer, generate  # noqa: E402
 
@@ -162,7 +160,6 @@ def main() -> None:
         "partitions": args.partitions,
         "epochs": args.epochs,
         "repeats": args.repeats,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         **{f"{k}_s": v for k, v in med.items()},
         "mllib_marginal_s_per_iteration": mllib,
         "mllib_amortised_s_per_iteration": amortised,
@@ -191,9 +188,7 @@ def main() -> None:
         "pick: not_replay (all-round cache) when the data fits in the subtasks' memory; "
         "replay when it does not, or when an operator must start afresh each round"
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    out = write_report(report, args.out)
     print(f"wrote {out}")
 
 

@@ -32,10 +32,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
-import os
-import platform
 import statistics
 import threading
 import time
@@ -43,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _harness import write_report
 
 HERE = Path(__file__).resolve().parent
 
@@ -533,15 +531,12 @@ def main() -> None:
     report = {
         "benchmark": "coordinator scale: flat vs tree feedback, variables fan-out (issue 19)",
         "note": "simulation: N subtasks as threads in <= 4 client processes on 2 shared cores",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "results": rows,
         "skipped": skipped,
         "growth": fits,
         "fanout": fan_rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    out = write_report(report, args.out)
     print(f"wrote {out}")
 
 
