@@ -30,7 +30,7 @@ from ._hooks import RuntimeHooks
 from ._protocol import Emissions, OutputRecord, Progress, Reply, ResultData
 from ._state import EpochStateMachine, StateMachineError
 from ._tree import CoordinatorTree, TreeSpec
-from ._variables import DEFAULT_INLINE_LIMIT, VariablesPayload, VariablesStore
+from ._variables import INLINE_LIMIT, VariablesPayload, VariablesStore
 
 __all__ = [
     "CheckpointSpec",
@@ -65,7 +65,7 @@ class CoordinatorSpec:
     checkpoint: CheckpointSpec | None = None
     #: called at named points (tests: ``hybrid_iter.testing``); None: no hooks
     hooks: RuntimeHooks | None = None
-    inline_limit: int = DEFAULT_INLINE_LIMIT
+    inline_limit: int = INLINE_LIMIT
     progress_tag: str = "loss"
     #: feedback_combine: merge feedback in a tree (sync only; ``coordinator._tree``)
     tree: TreeSpec | None = None

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import IterationConfigError
+from ._variables import INLINE_LIMIT, OncePerVersion
 
 __all__ = [
     "AdamRule",
@@ -46,9 +47,6 @@ __all__ = [
     "make_rule",
     "shard_class",
 ]
-
-#: Parameter slices up to this many bytes travel inside the reply.
-INLINE_LIMIT = 64 * 1024
 
 
 class SGDRule:
@@ -194,7 +192,7 @@ class _ShardCore:
             except ImportError:  # pragma: no cover - ray is a dependency
                 put = None
         self.spec = spec
-        self._put = put
+        self._refs = OncePerVersion(put, spec.inline_limit)
         self.w = np.array(spec.init, copy=True)
         if self.w.shape != (spec.hi - spec.lo,):
             raise IterationConfigError(
@@ -206,7 +204,6 @@ class _ShardCore:
         self._acc = _Scratch(len(self.w), self.w.dtype)
         self._part = _Scratch(len(self.w), self.w.dtype)
         self.version = 0
-        self._payload: tuple[int, Any] | None = None
         # sync bookkeeping: the next step to apply, pushes per step, last steps per epoch
         self.epoch = 0
         self.step = 0
@@ -234,14 +231,9 @@ class _ShardCore:
     # -- internals ------------------------------------------------------------------------
 
     def _current(self) -> tuple[int, np.ndarray | None, Any]:
-        if self._payload is None or self._payload[0] != self.version:
-            if self._put is not None and self.w.nbytes > self.spec.inline_limit:
-                self._payload = (self.version, self._put(self.w))  # one copy per version
-                self.stats["puts"] += 1
-            else:
-                self._payload = (self.version, None)
-        version, ref = self._payload
-        return (version, None, ref) if ref is not None else (version, self.w.copy(), None)
+        ref = self._refs.ref(self.version, self.w, self.w.nbytes)  # one copy per version
+        self.stats["puts"] = self._refs.puts
+        return (self.version, None, ref) if ref is not None else (self.version, self.w.copy(), None)
 
     def _advance(self) -> None:
         """Apply every sync step whose pushes are all in; end epochs; wake pullers."""
@@ -406,7 +398,7 @@ class FreeShard(_ShardCore):
         # a hand-rolled actor would; safe without a copy here, since this one-thread actor
         # serialises its reply before it runs the next call); a version pulled again is
         # put into the object store once and shared by reference.
-        if self._put is None or self.w.nbytes <= self.spec.inline_limit:
+        if not self._refs.would_put(self.w.nbytes):
             return self._current()
         if self._direct != self.version:
             self._direct = self.version

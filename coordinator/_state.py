@@ -294,9 +294,10 @@ class EpochStateMachine:
         """Invariants that must hold between events (used by tests)."""
         assert self.aligned <= min(self.last_call) + 1, (self.aligned, self.last_call)
         assert self._min_call == min(self.last_call), (self._min_call, self.last_call)
-        assert self._at_call == {
-            c: n for c, n in collections.Counter(self.last_call).items()
-        }, (self._at_call, self.last_call)
+        assert self._at_call == {c: n for c, n in collections.Counter(self.last_call).items()}, (
+            self._at_call,
+            self.last_call,
+        )
         for pid, epoch in self.pending.items():
             assert self.last_call[pid] == epoch
         if self.terminated is None and not self.failed:

@@ -9,7 +9,7 @@ versions travel inline in the reply, large ones are put into the object store on
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,10 +17,65 @@ import numpy as np
 
 from ._errors import ConfigTypeError, VariablesMismatchError
 
-__all__ = ["VariableSpec", "VariablesPayload", "VariablesStore", "normalize_variables"]
+__all__ = [
+    "INLINE_LIMIT",
+    "OncePerVersion",
+    "VariableSpec",
+    "VariablesPayload",
+    "VariablesStore",
+    "fetch_all",
+    "normalize_variables",
+]
 
-#: Versions whose arrays total more bytes than this go through the object store.
-DEFAULT_INLINE_LIMIT = 64 * 1024
+#: Values (of a version, of a PS shard) totalling more bytes than this go through the
+#: object store, put once per version; smaller ones travel inline in the reply.
+INLINE_LIMIT = 64 * 1024
+
+
+class OncePerVersion:
+    """The object-store copy of one version at a time: the one payload path of the
+    coordinator's variables and of the parameter-server shards.
+
+    ``ref(version, value, nbytes)`` puts ``value`` at most once per ``version`` when it
+    is larger than ``limit`` bytes and returns the reference; below the limit (or with
+    no ``put``: no Ray) it returns None and the caller sends the value inline.
+    """
+
+    def __init__(self, put: Callable[[Any], Any] | None, limit: int = INLINE_LIMIT) -> None:
+        self._put, self.limit = put, limit
+        self._version: int | None = None
+        self._ref: Any = None
+        self.puts = 0
+
+    def would_put(self, nbytes: int) -> bool:
+        return self._put is not None and nbytes > self.limit
+
+    def ref(self, version: int, value: Any, nbytes: int) -> Any:
+        if not self.would_put(nbytes):
+            return None
+        if self._version != version:
+            self._ref = self._put(value)
+            self._version = version
+            self.puts += 1
+        return self._ref
+
+    def forget(self) -> None:
+        """Versions restart (a restore): the next ``ref`` puts again."""
+        self._version, self._ref = None, None
+
+
+def fetch_all(pairs: Sequence[tuple[Any, Any]], get: Callable[[list[Any]], list[Any]]) -> list[Any]:
+    """The values of ``(inline, ref)`` replies, every ref fetched with one ``get`` (one
+    round trip, zero-copy views of the object store); numpy arrays come back read-only.
+    The one reader of what ``OncePerVersion`` produced (partition tasks, PS workers)."""
+    refs = [ref for _inline, ref in pairs if ref is not None]
+    got = iter(get(refs)) if refs else iter(())
+    out = [inline if ref is None else next(got) for inline, ref in pairs]
+    for value in out:
+        for arr in value.values() if isinstance(value, Mapping) else (value,):
+            if isinstance(arr, np.ndarray) and arr.flags.writeable:
+                arr.flags.writeable = False
+    return out
 
 
 @dataclass(frozen=True)
@@ -77,17 +132,19 @@ class VariablesStore:
         init: Mapping[str, np.ndarray],
         *,
         put: Callable[[Any], Any] | None = None,
-        inline_limit: int = DEFAULT_INLINE_LIMIT,
+        inline_limit: int = INLINE_LIMIT,
     ) -> None:
         self._values = normalize_variables(init, what="init_variables")
         self.specs = {n: VariableSpec(n, tuple(a.shape), a.dtype) for n, a in self._values.items()}
         self.version = 0
-        self._put = put
-        self._inline_limit = inline_limit
+        self._refs = OncePerVersion(put, inline_limit)
         self._payload: VariablesPayload | None = None
         self.publishes = 0
-        #: versions that went through the object store (at most one put per version)
-        self.puts = 0
+
+    @property
+    def puts(self) -> int:
+        """Versions that went through the object store (at most one put per version)."""
+        return self._refs.puts
 
     @property
     def values(self) -> Mapping[str, np.ndarray]:
@@ -132,14 +189,13 @@ class VariablesStore:
         self._values = normalize_variables(values, what="checkpointed variables")
         self.version, self.publishes = version, publishes
         self._payload = None
+        self._refs.forget()
 
     def payload(self) -> VariablesPayload:
         """The current version's payload, built once per version."""
         if self._payload is None:
-            size = sum(a.nbytes for a in self._values.values())
-            if self._put is not None and size > self._inline_limit:
-                self._payload = VariablesPayload(self.version, None, self._put(dict(self._values)))
-                self.puts += 1
-            else:
-                self._payload = VariablesPayload(self.version, dict(self._values), None)
+            values = dict(self._values)
+            size = sum(a.nbytes for a in values.values())
+            ref = self._refs.ref(self.version, values, size)
+            self._payload = VariablesPayload(self.version, None if ref else values, ref)
         return self._payload

@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from coordinator import Emissions, RemoteFailure, RuntimeHooks, VariablesPayload
 from coordinator._tree import TreeSpec, precombine
+from coordinator._variables import fetch_all
 
 from ._errors import ConfigTypeError, DataValidationError, UsageError
 
@@ -142,15 +143,13 @@ def _coordinator(plan: TaskPlan) -> Any:
 
 
 def _resolve(payload: VariablesPayload) -> dict[str, np.ndarray]:
-    if payload.ref is not None:
+    def get(refs: list[Any]) -> list[Any]:
         import ray
 
-        return dict(ray.get(payload.ref))  # zero-copy, read-only views of the object store
-    values = dict(payload.inline or {})
-    for v in values.values():
-        if isinstance(v, np.ndarray):
-            v.flags.writeable = False
-    return values
+        return ray.get(refs)  # zero-copy, read-only views of the object store
+
+    (values,) = fetch_all([(payload.inline or {}, payload.ref)], get)
+    return dict(values)
 
 
 def _check_batch(plan: TaskPlan, stream: int, batch: pa.RecordBatch, pid: int) -> None:

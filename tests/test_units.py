@@ -36,6 +36,33 @@ def test_small_versions_travel_inline_and_large_ones_are_put_once():
     assert small.payload().inline["w"].shape == (3,)
 
 
+def test_one_payload_path_puts_once_per_version_and_one_reader_fetches_in_one_round_trip():
+    from coordinator._variables import OncePerVersion, fetch_all
+
+    puts = []
+    refs = OncePerVersion(lambda v: puts.append(v) or f"ref{len(puts)}", limit=100)
+    assert refs.ref(0, "small", 10) is None and not puts  # inline
+    assert refs.ref(0, "big", 800) == "ref1" and refs.ref(0, "big", 800) == "ref1"
+    assert refs.ref(1, "big1", 800) == "ref2" and refs.puts == 2
+    refs.forget()  # a restore: versions restart
+    assert refs.ref(1, "again", 800) == "ref3"
+    assert OncePerVersion(None).ref(0, "x", 10**9) is None  # no Ray: always inline
+
+    calls = []
+    store = {"r1": np.arange(3.0), "r2": {"w": np.ones(2)}}
+
+    def get(keys):
+        calls.append(list(keys))
+        return [store[k] for k in keys]
+
+    inline = np.zeros(2)
+    got = fetch_all([(inline, None), (None, "r1"), (None, "r2")], get)
+    assert calls == [["r1", "r2"]]  # every reference in one round trip
+    assert got[0] is inline and list(got[1]) == [0.0, 1.0, 2.0]
+    assert not got[0].flags.writeable and not got[2]["w"].flags.writeable
+    assert fetch_all([(inline, None)], get) == [inline] and len(calls) == 1  # no get at all
+
+
 def test_published_versions_are_immutable_snapshots():
     store = VariablesStore({"w": np.zeros(3)})
     w = np.ones(3)

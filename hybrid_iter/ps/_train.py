@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from coordinator._ps import ShardSpec, shard_class
+from coordinator._variables import fetch_all
 
 from .._body import IterationBody
 from .._config import IterationConfig
@@ -99,9 +100,8 @@ class _Shards:
     def _assemble(self, replies: list[Any]) -> np.ndarray:
         import ray
 
-        refs = [ref for _v, _inline, ref in replies if ref is not None]
-        got = iter(ray.get(refs)) if refs else iter(())  # one round trip for every shard
-        parts = [inline if ref is None else next(got) for _v, inline, ref in replies]
+        # one round trip for every shard's object-store reference
+        parts = fetch_all([(inline, ref) for _v, inline, ref in replies], ray.get)
         if len(parts) == 1:
             flat = parts[0]
         else:
