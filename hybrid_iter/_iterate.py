@@ -47,6 +47,7 @@ from ._errors import (
     SessionError,
     VariablesMismatchError,
 )
+from ._placement import actor_class, kill, launch
 from ._progress import ProgressPrinter
 from ._ray_util import NAMESPACE
 from ._result import IterationResult
@@ -261,8 +262,6 @@ def iterate_bounded_streams_until_termination(
     per_round = config.operator_lifecycle is OperatorLifecycle.PER_ROUND
     tree = tree_spec(body, config.staleness)  # feedback_combine: refused here if async
 
-    import ray
-
     from ._ray_util import connect
 
     connect(address, namespace=NAMESPACE)
@@ -303,18 +302,14 @@ def iterate_bounded_streams_until_termination(
     # async actor answering more calls than max_concurrency at once would deadlock. With
     # checkpoints Ray restarts a coordinator whose process died; it reloads the newest
     # checkpoint and the relaunched tasks find it again by name.
-    from ._placement import coordinator_actor_options  # the head node, unless configured
-
-    actor_cls = ray.remote(
-        num_cpus=0,
+    actor_cls = actor_class(
+        IterationCoordinator,
         max_restarts=config.restarts if checkpoint is not None else 0,
-        max_task_retries=0,
         max_concurrency=max(1000, n + 16),
         # ``busy`` answers on its own event loop thread while the main one is stuck in
         # a coordinator operator (the driver's call_timeout watchdog asks it)
         concurrency_groups={"watch": 1},
-        **coordinator_actor_options(),
-    )(IterationCoordinator)
+    )
     extra: dict[str, Any] = {"attempts": []}
     attempt, actor, actor_name = 0, None, name
     restore = config.resume_from is not None
@@ -324,12 +319,14 @@ def iterate_bounded_streams_until_termination(
         while True:
             if actor is None:
                 actor_name = f"{name}.a{attempt}"
-                actor = actor_cls.options(name=actor_name, namespace=NAMESPACE).remote(
+                actor = launch(
+                    actor_cls,
+                    actor_name,
                     dataclasses.replace(
                         spec,
                         checkpoint=checkpoint
                         and dataclasses.replace(checkpoint, restore=restore, expect_epoch=expect),
-                    )
+                    ),
                 )
             run_plan = dataclasses.replace(
                 plan, actor_name=actor_name, attempt=attempt, restore=restore
@@ -371,11 +368,11 @@ def iterate_bounded_streams_until_termination(
                 if _restarted_by_ray(actor):
                     _check_restored(actor, expect, checkpoint)
                 else:
-                    _kill(actor, name)
+                    kill(actor, f"the coordinator actor {name}")
                     actor = None
     finally:
         if actor is not None:
-            _kill(actor, name)
+            kill(actor, f"the coordinator actor {name}")
     times = data.alignment_times
     return IterationResult(
         variables=data.variables,
@@ -403,15 +400,6 @@ def _call(actor: Any, method: str, *args: Any, timeout: float = 120.0) -> Any:
     import ray
 
     return ray.get(getattr(actor, method).remote(*args), timeout=timeout)
-
-
-def _kill(actor: Any, name: str) -> None:
-    import ray
-
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception as ex:  # never hide the error being raised
-        log.warning("could not kill the coordinator actor %s: %s", name, ex)
 
 
 def _restarted_by_ray(actor: Any) -> bool:

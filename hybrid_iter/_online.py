@@ -50,6 +50,7 @@ from coordinator import (
 from ._body import IterationBody
 from ._config import IterationConfig, OperatorLifecycle, _check_uri, _is_int
 from ._errors import CheckpointError, IterationConfigError, IterationFailedError
+from ._placement import actor_class, kill, launch
 from ._ray_util import NAMESPACE, connect
 from ._shipping import dumps
 from ._streams import ReplayableDataStreamList, _is_dataframe
@@ -743,10 +744,7 @@ class OnlineIteration:
                     self._final = None
                 self.query.stop()
         finally:
-            try:
-                ray.kill(self._actor, no_restart=True)
-            except Exception as ex:  # pragma: no cover - best effort
-                log.warning("could not kill the online coordinator: %s", ex)
+            kill(self._actor, "the online coordinator")
             if self._logger is not None:
                 self._logger.join(timeout=5)
 
@@ -920,16 +918,10 @@ def iterate_unbounded_streams(
         progress_tag=cfg.progress_tag,
         checkpoint=checkpoint,
     )
-    from ._placement import coordinator_actor_options  # the head node, unless configured
-
-    actor = (
-        ray.remote(num_cpus=0, max_restarts=0, **coordinator_actor_options())(OnlineCoordinator)
-        .options(name=name, namespace=NAMESPACE)
-        .remote(spec)
-    )
+    actor = launch(actor_class(OnlineCoordinator), name, spec)
     state = ray.get(actor.online_state.remote())
     if state["failures"]:
-        ray.kill(actor)
+        kill(actor, "the online coordinator")
         failure = state["failures"][0]
         raise IterationConfigError(
             f"the online coordinator could not start: {failure}"
@@ -939,7 +931,7 @@ def iterate_unbounded_streams(
         spark_last = _spark_last_commit(location)
         lost = _at_risk(state, spark_last)
         if lost and cfg.on_corrupt_checkpoint == "fail":
-            ray.kill(actor)
+            kill(actor, "the online coordinator")
             raise _checkpoint_error(location, state, lost, spark_last)
         if lost:
             log.warning(
@@ -1092,7 +1084,7 @@ def iterate_unbounded_streams(
     try:
         query = writer.start()
     except Exception:
-        ray.kill(actor)
+        kill(actor, "the online coordinator")
         raise
     files_waiting = None
     if parquet is not None:

@@ -1,4 +1,5 @@
-"""Where the long-lived actors go: the coordinator, the online coordinator, PS shards.
+"""The long-lived actors (the coordinator, the online coordinator, PS shards): where they
+go, and the one way they are launched and killed (``actor_class``, ``launch``, ``kill``).
 
 Runs on the driver, when an actor is launched. Those actors hold the run's state (the
 variables, the epoch, the parameter shards); a Spark executor lost with its node is
@@ -24,6 +25,7 @@ an actor pending forever.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -31,13 +33,18 @@ from typing import Any
 
 from ._errors import SessionError
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "COORDINATOR_RESOURCES_ENV",
     "HEAD_RESOURCE",
     "RAY_HEAD_RESOURCE",
+    "actor_class",
     "check_resources",
     "coordinator_actor_options",
     "coordinator_resources",
+    "kill",
+    "launch",
 ]
 
 #: The custom resource the k8s manifests put on the head node (also RayDP's app master's).
@@ -127,3 +134,38 @@ def coordinator_actor_options() -> dict[str, Any]:
     """Keyword arguments for ``ray.remote(...)`` of a coordinator-tier actor."""
     resources = coordinator_resources()
     return {"resources": resources} if resources else {}
+
+
+def actor_class(cls: type, *, max_restarts: int = 0, **options: Any) -> Any:
+    """``cls`` as a Ray actor class of the coordinator tier: no CPU of its own, placed by
+    ``coordinator_actor_options``, no task retries (a retried call could apply an update
+    twice), restarted ``max_restarts`` times after its process died (only runs with
+    checkpoints restart: a restarted actor reloads the newest one)."""
+    import ray
+
+    return ray.remote(
+        num_cpus=0,
+        max_restarts=max_restarts,
+        max_task_retries=0,
+        **options,
+        **coordinator_actor_options(),
+    )(cls)
+
+
+def launch(actor_cls: Any, name: str, *args: Any) -> Any:
+    """Start one named actor of ``actor_class`` in hybrid_iter's namespace (tasks find it
+    by name)."""
+    from ._ray_util import NAMESPACE
+
+    return actor_cls.options(name=name, namespace=NAMESPACE).remote(*args)
+
+
+def kill(handle: Any, what: str) -> None:
+    """Kill an actor for good (no restart); never raises, so the error being raised or
+    the result being returned is never hidden by a failed kill."""
+    import ray
+
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception as ex:
+        log.warning("could not kill %s: %s", what, ex)

@@ -43,6 +43,7 @@ from .._config import IterationConfig
 from .._errors import ConfigTypeError, IterationConfigError
 from .._iterate import iterate_bounded_streams_until_termination
 from .._operators import CoordinatorOperator, PartitionOperator
+from .._placement import actor_class, kill, launch
 from .._ray_util import NAMESPACE
 from .._result import IterationResult
 from .._streams import DataStream, ReplayableDataStreamList
@@ -458,17 +459,10 @@ def launch_shards(
     import ray
 
     run_id = uuid.uuid4().hex[:12]
-    from .._placement import coordinator_actor_options  # the head node, unless configured
-
     # sync mode: an asyncio actor whose pulls wait for a step; async mode: a plain actor,
     # one call at a time with no event loop in between (nothing ever waits there)
     concurrency = max(1000, 4 * num_workers + 16) if sync else 1
-    shard_cls = ray.remote(
-        num_cpus=0,
-        max_restarts=0,
-        max_concurrency=concurrency,
-        **coordinator_actor_options(),
-    )(shard_class(sync))
+    shard_cls = actor_class(shard_class(sync), max_concurrency=concurrency)
     names = [f"hybrid_iter.ps.{run_id}.shard{i}" for i in range(len(bounds) - 1)]
     handles: list[Any] = []
     try:
@@ -484,7 +478,7 @@ def launch_shards(
                 num_workers=num_workers,
                 sync=sync,
             )
-            handles.append(shard_cls.options(name=name, namespace=NAMESPACE).remote(spec))
+            handles.append(launch(shard_cls, name, spec))
         ray.get([h.info.remote() for h in handles])  # started (a bad spec fails here)
     except BaseException:
         stop_shards(handles)
@@ -493,13 +487,8 @@ def launch_shards(
 
 
 def stop_shards(handles: Sequence[Any]) -> None:
-    import ray
-
-    for h in handles:
-        try:
-            ray.kill(h, no_restart=True)
-        except Exception:
-            pass  # never hide the training's own outcome
+    for i, h in enumerate(handles):
+        kill(h, f"parameter shard {i}")  # never hides the training's own outcome
 
 
 def _type(df: Any, name: str) -> Any:
