@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.types as pat
 
-__all__ = ["NumpyCache", "column_to_numpy", "is_numeric_arrow_type"]
+__all__ = ["ColumnChunks", "NumpyCache", "column_to_numpy", "is_numeric_arrow_type"]
 
 
 def is_numeric_arrow_type(t: pa.DataType) -> bool:
@@ -66,13 +66,57 @@ def column_to_numpy(
     return col.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
 
 
+class ColumnChunks:
+    """Chunks of named columns (1-D, or 2-D for array and vector columns), each joined
+    once: the one accumulator behind ``NumpyCache`` and ``hybrid_iter.ml``'s caches.
+
+    ``matrix(names)`` stacks columns into one ``(rows, d)`` Fortran-ordered array, each
+    column chunk copied straight into its contiguous matrix column; ``join(name)`` gives
+    one column as a contiguous array. Both release the chunks they joined.
+    """
+
+    def __init__(self, dtype: np.dtype | type = np.float64) -> None:
+        self.dtype = np.dtype(dtype)
+        self._chunks: dict[str, list[np.ndarray]] = {}
+
+    def add(self, name: str, part: np.ndarray) -> None:
+        self._chunks.setdefault(name, []).append(part)
+
+    def width(self, name: str) -> int:
+        """1 for a 1-D column (or one that saw no chunk), else its number of columns."""
+        chunks = self._chunks.get(name)
+        return 1 if not chunks or chunks[0].ndim == 1 else int(chunks[0].shape[1])
+
+    def matrix(
+        self, names: Sequence[str], rows: int, widths: Sequence[int] | None = None
+    ) -> np.ndarray:
+        widths = [self.width(n) for n in names] if widths is None else list(widths)
+        out = np.empty((rows, sum(widths)), dtype=self.dtype, order="F")
+        j = 0
+        for name, width in zip(names, widths, strict=True):
+            chunks = self._chunks.pop(name, [])
+            if chunks:
+                if width == 1 and chunks[0].ndim == 1:
+                    np.concatenate(chunks, out=out[:, j])  # one contiguous copy
+                else:
+                    np.concatenate(chunks, axis=0, out=out[:, j : j + width])
+            j += width
+        return out
+
+    def join(self, name: str, empty_shape: tuple[int, ...] = (0,)) -> np.ndarray:
+        chunks = self._chunks.pop(name, [])
+        if not chunks:
+            return np.zeros(empty_shape, dtype=self.dtype)
+        return np.ascontiguousarray(chunks[0] if len(chunks) == 1 else np.concatenate(chunks))
+
+
 class NumpyCache:
     """Accumulates a stream's batches; ``matrix()`` and ``column()`` give numpy arrays.
 
     ``columns`` picks (in order) the columns stacked by ``matrix()``; array columns
     expand to their length (known from the first batch: a cache that saw no batch, as
-    in an empty partition, has zero rows and one column per name). Values are validated batch by batch, so a bad row fails the
-    task while loading, before any epoch runs.
+    in an empty partition, has zero rows and one column per name). Values are validated
+    batch by batch, so a bad row fails the task while loading, before any epoch runs.
     """
 
     def __init__(
@@ -85,7 +129,7 @@ class NumpyCache:
         self.columns = list(columns) if columns is not None else None
         self.extra = list(extra)
         self.dtype = np.dtype(dtype)
-        self._chunks: dict[str, list[np.ndarray]] = {}
+        self._chunks = ColumnChunks(self.dtype)
         self._matrix: np.ndarray | None = None
         self._cols: dict[str, np.ndarray] = {}
         self.num_rows = 0
@@ -96,39 +140,17 @@ class NumpyCache:
         if self.columns is None:
             self.columns = [n for n in batch.schema.names if n not in self.extra]
         for name in [*self.columns, *self.extra]:
-            self._chunks.setdefault(name, []).append(column_to_numpy(batch, name, dtype=self.dtype))
+            self._chunks.add(name, column_to_numpy(batch, name, dtype=self.dtype))
         self.num_rows += batch.num_rows
 
     def extend(self, batches: Iterable[pa.RecordBatch]) -> None:
         for b in batches:
             self.add(b)
 
-    def _joined(self, name: str) -> np.ndarray:
-        chunks = self._chunks.get(name, [])
-        if not chunks:
-            return np.zeros((0,), dtype=self.dtype)
-        return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
-
     def matrix(self) -> np.ndarray:
         """The feature columns as one ``(rows, d)`` Fortran-ordered array (built once)."""
         if self._matrix is None:
-            names = self.columns or []
-            widths = []
-            for n in names:
-                first = self._chunks.get(n, [np.zeros(0)])[0]
-                widths.append(1 if first.ndim == 1 else first.shape[1])
-            out = np.empty((self.num_rows, sum(widths)), dtype=self.dtype, order="F")
-            j = 0
-            for n, width in zip(names, widths):
-                chunks = self._chunks.pop(n, [])
-                if width == 1:
-                    # one copy, straight into the matrix's contiguous column
-                    if chunks:
-                        np.concatenate(chunks, out=out[:, j])
-                else:
-                    np.concatenate(chunks, axis=0, out=out[:, j : j + width])
-                j += width
-            self._matrix = out
+            self._matrix = self._chunks.matrix(self.columns or [], self.num_rows)
         return self._matrix
 
     def column(self, name: str) -> np.ndarray:
@@ -136,6 +158,5 @@ class NumpyCache:
         if name not in self._cols:
             if name not in self.extra:
                 raise KeyError(f"{name!r} is not one of the extra columns {self.extra}")
-            self._cols[name] = np.ascontiguousarray(self._joined(name))
-            self._chunks.pop(name, None)
+            self._cols[name] = self._chunks.join(name)
         return self._cols[name]

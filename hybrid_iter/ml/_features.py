@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.types as pat
 
 from spark_ops import column_to_numpy, is_numeric_arrow_type
+from spark_ops.partition_cache import ColumnChunks
 
 from .._errors import DataValidationError, IterationConfigError, UsageError
 
@@ -42,6 +43,8 @@ __all__ = [
 
 #: kinds of feature inputs
 VECTOR, ARRAY, COLUMNS = "vector", "array", "columns"
+#: FeatureCache's chunk names of the label and weight (no column can be named so)
+_LABEL, _WEIGHT = "\0label", "\0weight"
 
 
 @dataclass(frozen=True)
@@ -257,38 +260,6 @@ def _decode(batch: pa.RecordBatch, name: str, kind: str, dim: int | None) -> np.
     return out
 
 
-class _Chunks:
-    """Chunks of one 2-D array, joined once into a Fortran-ordered matrix: chunks of
-    rows (decoded vectors), or of columns (numeric columns: each lands in its matrix
-    column with contiguous writes, as in ``spark_ops.NumpyCache``)."""
-
-    def __init__(self, dim: int) -> None:
-        self.dim = dim
-        self.parts: list[np.ndarray] = []
-        self.columns: list[list[np.ndarray]] = [[] for _ in range(dim)]
-        self.rows = 0
-
-    def add(self, part: np.ndarray) -> None:
-        self.parts.append(part.reshape(len(part), self.dim))
-        self.rows += len(part)
-
-    def add_columns(self, columns: list[np.ndarray]) -> None:
-        for chunks, col in zip(self.columns, columns):
-            chunks.append(col)
-        self.rows += len(columns[0]) if columns else 0
-
-    def join(self) -> np.ndarray:
-        out = np.empty((self.rows, self.dim), order="F")
-        if self.parts:
-            np.concatenate(self.parts, axis=0, out=out)
-        elif self.rows:
-            for j, chunks in enumerate(self.columns):
-                np.concatenate(chunks, out=out[:, j])
-        self.parts = []
-        self.columns = []
-        return out
-
-
 class FeatureCache:
     """A partition's features as one matrix, its labels and weights. Runs in a Spark task.
 
@@ -297,9 +268,7 @@ class FeatureCache:
 
     def __init__(self, plan: FeaturePlan) -> None:
         self.plan = plan
-        self._x = _Chunks(plan.dim)
-        self._label: list[np.ndarray] = []
-        self._weight: list[np.ndarray] = []
+        self._chunks = ColumnChunks()
         self._sealed: tuple[np.ndarray, np.ndarray | None, np.ndarray | None] | None = None
         self.num_rows = 0
 
@@ -308,11 +277,13 @@ class FeatureCache:
             raise UsageError("FeatureCache.add() after matrix(): the cache is sealed")
         p = self.plan
         if p.kind == COLUMNS:
-            self._x.add_columns([column_to_numpy(batch, name) for name in p.columns])
+            for name in p.columns:
+                self._chunks.add(name, column_to_numpy(batch, name))
         else:
-            self._x.add(_decode(batch, p.columns[0], p.kind, p.dim))
+            part = _decode(batch, p.columns[0], p.kind, p.dim)
+            self._chunks.add(p.columns[0], part.reshape(len(part), p.dim))
         if p.label is not None:
-            self._label.append(column_to_numpy(batch, p.label))
+            self._chunks.add(_LABEL, column_to_numpy(batch, p.label))
         if p.weight is not None:
             w = column_to_numpy(batch, p.weight)
             if len(w) and not (np.isfinite(w).all() and (w >= 0).all()):
@@ -320,19 +291,19 @@ class FeatureCache:
                     f"weight column {p.weight!r} holds a negative or non-finite weight; "
                     f"weights must be finite numbers >= 0"
                 )
-            self._weight.append(w)
+            self._chunks.add(_WEIGHT, w)
         self.num_rows += batch.num_rows
 
     def _seal(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         if self._sealed is None:
-            label = np.concatenate(self._label) if self._label else None
-            weight = np.concatenate(self._weight) if self._weight else None
-            if self.plan.label is not None and label is None:
-                label = np.zeros(0)
-            if self.plan.weight is not None and weight is None:
-                weight = np.zeros(0)
-            self._label = self._weight = []
-            self._sealed = (self._x.join(), label, weight)
+            p = self.plan
+            if p.kind == COLUMNS:
+                x = self._chunks.matrix(p.columns, self.num_rows, [1] * len(p.columns))
+            else:  # decoded (rows, dim) chunks of one column
+                x = self._chunks.matrix(p.columns[:1], self.num_rows, [p.dim])
+            label = self._chunks.join(_LABEL) if p.label is not None else None
+            weight = self._chunks.join(_WEIGHT) if p.weight is not None else None
+            self._sealed = (x, label, weight)
         return self._sealed
 
     def matrix(self) -> np.ndarray:
@@ -384,7 +355,7 @@ class ColumnCache:
     def __init__(self, columns: Sequence[str], vector_widths: dict[str, int]) -> None:
         self.columns = list(columns)
         self.vector_widths = dict(vector_widths)
-        self._parts: dict[str, list[np.ndarray]] = {c: [] for c in self.columns}
+        self._chunks = ColumnChunks()
         self._arrays: dict[str, np.ndarray] | None = None
         self.num_rows = 0
 
@@ -394,17 +365,14 @@ class ColumnCache:
                 part = _decode(batch, name, VECTOR, self.vector_widths[name])
             else:
                 part = _column_numpy(batch, name)
-            self._parts[name].append(part)
+            self._chunks.add(name, part)
         self.num_rows += batch.num_rows
 
     def arrays(self) -> dict[str, np.ndarray]:
         if self._arrays is None:
             self._arrays = {}
-            for name, parts in self._parts.items():
-                if not parts:
-                    width = self.vector_widths.get(name)
-                    self._arrays[name] = np.zeros((0, width) if width else (0,))
-                else:
-                    self._arrays[name] = np.ascontiguousarray(np.concatenate(parts))
-            self._parts = {}
+            for name in self.columns:
+                width = self.vector_widths.get(name)
+                # a column keeps its own dtype (ColumnChunks' dtype is only for empties)
+                self._arrays[name] = self._chunks.join(name, (0, width) if width else (0,))
         return self._arrays
