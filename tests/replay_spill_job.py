@@ -38,9 +38,9 @@ class Collect(hi.CoordinatorOperator):
 
 
 def main() -> int:
-    rows, cols = 400_000, 10
+    rows, cols = 200_000, 10
     conf = {"spark.memory.fraction": "0.02", "spark.memory.storageFraction": "0.5"}
-    with hi.Session.local(2, driver_memory="1g", spark_conf=conf) as session:
+    with hi.Session.local(2, driver_memory="512m", spark_conf=conf) as session:
         # random values: the cache cannot shrink them by compression
         df = session.spark.range(rows, numPartitions=4).selectExpr(
             *[f"rand({j}) as c{j}" for j in range(cols)]
