@@ -47,7 +47,7 @@ from ._errors import (
     SessionError,
     VariablesMismatchError,
 )
-from ._placement import actor_class, kill, launch
+from ._placement import actor_class, kill, launch_held
 from ._progress import ProgressPrinter
 from ._ray_util import NAMESPACE
 from ._result import IterationResult
@@ -319,7 +319,9 @@ def iterate_bounded_streams_until_termination(
         while True:
             if actor is None:
                 actor_name = f"{name}.a{attempt}"
-                actor = launch(
+                # the driver holds the spec (it can be megabytes of initial variables)
+                # for as long as Ray may restart this actor from it
+                launched = launch_held(
                     actor_cls,
                     actor_name,
                     dataclasses.replace(
@@ -328,6 +330,7 @@ def iterate_bounded_streams_until_termination(
                         and dataclasses.replace(checkpoint, restore=restore, expect_epoch=expect),
                     ),
                 )
+                actor = launched.handle
             run_plan = dataclasses.replace(
                 plan, actor_name=actor_name, attempt=attempt, restore=restore
             )

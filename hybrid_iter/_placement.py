@@ -39,12 +39,14 @@ __all__ = [
     "COORDINATOR_RESOURCES_ENV",
     "HEAD_RESOURCE",
     "RAY_HEAD_RESOURCE",
+    "Launched",
     "actor_class",
     "check_resources",
     "coordinator_actor_options",
     "coordinator_resources",
     "kill",
     "launch",
+    "launch_held",
 ]
 
 #: The custom resource the k8s manifests put on the head node (also RayDP's app master's).
@@ -152,12 +154,33 @@ def actor_class(cls: type, *, max_restarts: int = 0, **options: Any) -> Any:
     )(cls)
 
 
+class Launched:
+    """A started actor and what it was created from: ``handle``, and ``args``, the
+    object-store references of its creation arguments, held by the driver for as long
+    as the actor may be restarted. Ray restarts a dead actor by running its creation
+    task again, which reads those arguments again; an argument larger than Ray's inline
+    limit (100 KiB) that nobody holds is gone by then, and the restart fails with
+    ``ReferenceCountingAssertionError``."""
+
+    def __init__(self, handle: Any, args: tuple[Any, ...]) -> None:
+        self.handle, self.args = handle, args
+
+
 def launch(actor_cls: Any, name: str, *args: Any) -> Any:
     """Start one named actor of ``actor_class`` in hybrid_iter's namespace (tasks find it
-    by name)."""
+    by name); returns its handle. For an actor Ray may restart use ``launch_held``."""
     from ._ray_util import NAMESPACE
 
     return actor_cls.options(name=name, namespace=NAMESPACE).remote(*args)
+
+
+def launch_held(actor_cls: Any, name: str, *args: Any) -> Launched:
+    """``launch``, with every creation argument put into the object store first and the
+    references kept in the returned ``Launched``: keep it while the actor may restart."""
+    import ray
+
+    refs = tuple(ray.put(a) for a in args)
+    return Launched(launch(actor_cls, name, *refs), refs)
 
 
 def kill(handle: Any, what: str) -> None:

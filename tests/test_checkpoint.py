@@ -59,6 +59,31 @@ def test_a_dead_coordinator_is_restarted_by_ray_and_reloads_the_checkpoint(df, c
     assert "coordinator actor died" in result.extra["attempts"][0]
 
 
+def test_a_coordinator_whose_creation_arguments_live_in_the_object_store_is_restarted(
+    df, clean, tmp_path
+):
+    # 2 MB of initial variables: the actor's creation argument goes through the object
+    # store (Ray inlines only up to 100 KiB). Ray restarts a dead actor by running its
+    # creation task again; if nobody held that argument, the restart fails
+    # (ReferenceCountingAssertionError) and the run falls back to a slower relaunch.
+    from checkpoint_job import DIMS
+
+    result = hi.iterate_bounded_streams_until_termination(
+        {"w": np.zeros(DIMS), "big": np.arange(250_000.0)},
+        hi.ReplayableDataStreamList.not_replay(df),
+        hi.IterationConfig(
+            max_epochs=EPOCHS,
+            parallelism=2,
+            checkpoint=hi.CheckpointConfig(str(tmp_path), every_epochs=3),
+            hooks=FaultInjection(kill_coordinator_at=14),
+        ),
+        hi.IterationBody(Grad(), Step()),
+    )
+    assert result.variables["w"].tobytes() == clean.variables["w"].tobytes()
+    assert result.extra["checkpoint"]["reconstructed"] is True, result.extra["attempts"]
+    np.testing.assert_array_equal(result.variables["big"], np.arange(250_000.0))
+
+
 def test_without_checkpoints_a_failure_is_not_retried_by_default(df):
     with pytest.raises(hi.IterationFailedError, match="injected fault"):
         iterate(df, hooks=FaultInjection(fail_partition=0, at_epoch=2))
