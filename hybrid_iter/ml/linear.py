@@ -408,6 +408,41 @@ class _LinearEstimator(StageParams, Estimator, DefaultParamsReadable, DefaultPar
     def _output_columns(self) -> list[str | None]:
         return [self.value("prediction_col")]
 
+    def _solve(
+        self,
+        dataset: Any,
+        *,
+        family: str,
+        hooks: RuntimeHooks | None,
+        trace_weights: bool,
+    ) -> tuple[np.ndarray, np.ndarray, Any, Any]:
+        """``(coefficient matrix, intercepts, IterationResult, summary)`` by the chosen
+        solver: SGD on the iteration runtime, or the GLM operators (L-BFGS / OWL-QN /
+        normal equations). ``hooks`` and ``trace_weights`` serve the benchmarks (SGD
+        only): ``hybrid_iter.testing.Straggler`` slows one subtask; ``trace_weights``
+        outputs every version with its time."""
+        plan = _prepare(self, dataset)
+        if self.value("solver") == "sgd":
+            if family == "multinomial":
+                raise IterationConfigError(
+                    "LogisticRegression(solver='sgd') is binomial only; use solver='auto' "
+                    "for family='multinomial'"
+                )
+            return _fit_sgd(
+                self,
+                dataset,
+                plan,
+                logistic=family != GAUSSIAN,
+                hooks=hooks,
+                trace_weights=trace_weights,
+            )
+        return _fit_glm(self, dataset, plan, family=family)
+
+    def _model(self, model_cls: Any, arrays: dict[str, Any], result: Any, summary: Any) -> Any:
+        model = model_cls._from_arrays(arrays, result=result, summary=summary)
+        self._copyValues(model)
+        return model._set_parent(self)
+
     def __repr__(self) -> str:
         given = ", ".join(
             f"{s.snake}={self.getOrDefault(s.spark)!r}"
@@ -443,30 +478,15 @@ class LogisticRegression(_LinearEstimator):
         hooks: RuntimeHooks | None = None,
         trace_weights: bool = False,
     ) -> LogisticRegressionModel:
-        """``fit`` with benchmark hooks (``solver="sgd"``): ``hooks`` are called in every
-        subtask (``hybrid_iter.testing.Straggler(partition, factor)`` makes that subtask
-        ``factor`` x slower); ``trace_weights`` outputs every version with its time."""
-        plan = _prepare(self, dataset)
-        if self.value("solver") == "sgd":
-            if self.value("family") == "multinomial":
-                raise IterationConfigError(
-                    "LogisticRegression(solver='sgd') is binomial only; use solver='auto' "
-                    "for family='multinomial'"
-                )
-            B, b, result, summary = _fit_sgd(
-                self, dataset, plan, logistic=True, hooks=hooks, trace_weights=trace_weights
-            )
-        else:
-            B, b, result, summary = _fit_glm(self, dataset, plan, family=self.value("family"))
-        multinomial = summary.family == "multinomial"
+        B, b, result, summary = self._solve(
+            dataset, family=self.value("family"), hooks=hooks, trace_weights=trace_weights
+        )
         arrays = (
             {"coefficient_matrix": B, "intercept_vector": b}
-            if multinomial
+            if summary.family == "multinomial"
             else {"coefficients": B[0], "intercept": np.array(b[0])}
         )
-        model = LogisticRegressionModel._from_arrays(arrays, result=result, summary=summary)
-        self._copyValues(model)
-        return model._set_parent(self)
+        return self._model(LogisticRegressionModel, arrays, result, summary)
 
 
 class LinearRegression(_LinearEstimator):
@@ -482,22 +502,11 @@ class LinearRegression(_LinearEstimator):
         hooks: RuntimeHooks | None = None,
         trace_weights: bool = False,
     ) -> LinearRegressionModel:
-        plan = _prepare(self, dataset)
-        if self.value("solver") == "sgd":
-            B, b, result, summary = _fit_sgd(
-                self,
-                dataset,
-                plan,
-                logistic=False,
-                hooks=hooks,
-                trace_weights=trace_weights,
-            )
-        else:
-            B, b, result, summary = _fit_glm(self, dataset, plan, family=GAUSSIAN)
+        B, b, result, summary = self._solve(
+            dataset, family=GAUSSIAN, hooks=hooks, trace_weights=trace_weights
+        )
         arrays = {"coefficients": B[0], "intercept": np.array(b[0])}
-        model = LinearRegressionModel._from_arrays(arrays, result=result, summary=summary)
-        self._copyValues(model)
-        return model._set_parent(self)
+        return self._model(LinearRegressionModel, arrays, result, summary)
 
 
 # -- transform: Spark SQL expressions (the input schema, vector columns included, is kept)
