@@ -90,8 +90,9 @@ class OnlineCoordinator(IterationCoordinator):
         self.restore_report: dict[str, Any] = {}
         super().__init__(spec, put)
         self._attempt = 0
-        if not isinstance(self._feedback_counts, Counter):
-            self._feedback_counts = Counter()  # partitions vary between micro-batches
+
+    def _new_feedback_counts(self) -> Counter[int]:
+        return Counter()  # partitions vary between micro-batches: only those seen
 
     # -- calls from Spark tasks ---------------------------------------------------------
 
@@ -269,7 +270,7 @@ class OnlineCoordinator(IterationCoordinator):
         ``restore_report`` for the driver to hold against Spark's own commit log."""
         assert self._ckpt_store is not None and self.spec.checkpoint is not None
         started = time.perf_counter()
-        self._feedback_counts = Counter()
+        self._feedback_counts = self._new_feedback_counts()
         names = list_names(self._ckpt_store)
         journal_ids = sorted(
             b for b in (_batch_of(n, "jrn-", ".ckpt") for n in names) if b is not None
