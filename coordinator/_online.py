@@ -213,7 +213,7 @@ class OnlineCoordinator(IterationCoordinator):
         dead_letters: int,
         dead_files: int,
     ) -> None:
-        assert self._ckpt_store is not None
+        assert self._ckpt_store is not None and self.spec.checkpoint is not None
         record = {
             "fingerprint": dict(self.spec.checkpoint.fingerprint),
             "batch_id": batch_id,
@@ -239,6 +239,7 @@ class OnlineCoordinator(IterationCoordinator):
     def _persist(self) -> None:
         import cloudpickle
 
+        assert self.spec.checkpoint is not None
         main = self._main.alive()
         data = {
             "fingerprint": dict(self.spec.checkpoint.fingerprint),
@@ -324,6 +325,7 @@ class OnlineCoordinator(IterationCoordinator):
     def _check_fingerprint(self, data: dict[str, Any], what: str) -> None:
         from ._checkpoint import fingerprint_mismatch
 
+        assert self._ckpt_store is not None and self.spec.checkpoint is not None
         mismatch = fingerprint_mismatch(
             data.get("fingerprint", {}), self.spec.checkpoint.fingerprint
         )
