@@ -146,7 +146,8 @@ class VersionApplier:
             content.clear()
         self.spec = spec
         self.content = content
-        self._fresh: set[Namespace] = set()  # namespaces created by this version: their keys are its keys
+        #: namespaces created by this version: their keys are its keys
+        self._fresh: set[Namespace] = set()
         self._seen: dict[Namespace, set[Any]] = {}
         self._open: dict[Any, list[Any]] = {}
         self.touched: set[Namespace] = set()
