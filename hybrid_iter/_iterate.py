@@ -305,7 +305,8 @@ def iterate_bounded_streams_until_termination(
     # checkpoint and the relaunched tasks find it again by name.
     from ._placement import coordinator_actor_options  # the head node, unless configured
 
-    actor_cls = ray.remote(
+    # ray's remote(**options) overload lists task options only, not max_concurrency
+    actor_cls = ray.remote(  # type: ignore[call-overload]
         num_cpus=0,
         max_restarts=config.restarts if checkpoint is not None else 0,
         max_task_retries=0,
@@ -499,7 +500,7 @@ def _fingerprint(
         "subtasks": n,
     }
     if config is not None:
-        ops = {
+        ops: dict[str, Any] = {
             "partition": body.partition,
             "coordinator": body.coordinator,
             "per_round_partition": body.per_round_partition,

@@ -922,7 +922,8 @@ def iterate_unbounded_streams(
     )
     from ._placement import coordinator_actor_options  # the head node, unless configured
 
-    actor = (
+    # Any, like _OnlineQuery._actor: ray's stubs give a handle's methods no .remote()
+    actor: Any = (
         ray.remote(num_cpus=0, max_restarts=0, **coordinator_actor_options())(OnlineCoordinator)
         .options(name=name, namespace=NAMESPACE)
         .remote(spec)

@@ -91,7 +91,8 @@ class _Shards:
     def __init__(self, names: Sequence[str], bounds: Sequence[int], dtype: str) -> None:
         import ray
 
-        self.handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
+        # Any, like start_shards' handles: ray types get_actor's handle as of no class
+        self.handles: list[Any] = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
         self.bounds = list(bounds)
         self.dtype = np.dtype(dtype)
         self.buffer: np.ndarray | None = None
@@ -421,7 +422,7 @@ def train(
             criteria=True if tol is not None else None,  # else epochs (max_epochs) ends it
         )
         scalar = [c for c in names if c not in widths and column_kind(_type(df, c)) == "scalar"]
-        stream = DataStream(df.select(*names), numeric_columns=scalar or None)
+        stream = DataStream(df.select(*names), numeric_columns=tuple(scalar) or None)
         config = IterationConfig(
             staleness=iteration_staleness,
             max_epochs=epochs,
@@ -463,7 +464,8 @@ def launch_shards(
     # sync mode: an asyncio actor whose pulls wait for a step; async mode: a plain actor,
     # one call at a time with no event loop in between (nothing ever waits there)
     concurrency = max(1000, 4 * num_workers + 16) if sync else 1
-    shard_cls = ray.remote(
+    # ray's remote(**options) overload lists task options only, not max_concurrency
+    shard_cls = ray.remote(  # type: ignore[call-overload]
         num_cpus=0,
         max_restarts=0,
         max_concurrency=concurrency,
