@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,7 +210,7 @@ class IterationCoordinator:
         self._final_round: dict[int, Emissions] = {}
         self._outputs: list[OutputRecord] = []
         self._alignment_times: list[float] = []
-        self._feedback_counts = [0] * spec.num_subtasks
+        self._feedback_counts = self._new_feedback_counts()
         self._rows = [0] * spec.num_streams
         self._failures: list[RemoteFailure] = []
         # the driver's progress polls: (answer at each alignment?, aligned, checkpointed)
@@ -568,7 +569,7 @@ class IterationCoordinator:
             terminated_by=self.sm.terminated,
             alignment_times=list(self._alignment_times),
             subtask_epochs={p: max(c, 0) for p, c in enumerate(self.sm.last_call)},
-            feedback_counts=dict(enumerate(self._feedback_counts)),
+            feedback_counts=dict(sorted(self._feedback_counts.items())),
             rows=list(self._rows),
             publishes=self.store.publishes,
             object_store_puts=self.store.puts,
@@ -576,6 +577,11 @@ class IterationCoordinator:
         )
 
     # -- internals ----------------------------------------------------------------------
+
+    def _new_feedback_counts(self) -> Counter[int]:
+        """Feedback records applied per subtask, each counted from 0 (a mapping: the
+        online coordinator's partitions vary between micro-batches)."""
+        return Counter(dict.fromkeys(range(self.spec.num_subtasks), 0))
 
     def _is_done(self) -> bool:
         return self._closed or bool(self._failures)
@@ -796,7 +802,7 @@ class IterationCoordinator:
             "main": self._dump_operator(main) if main is not None else None,
             "listeners": cloudpickle.dumps(list(self._listeners)),
             "cut": cut.to_plain(),
-            "feedback_counts": list(self._feedback_counts),
+            "feedback_counts": [self._feedback_counts[p] for p in range(self.spec.num_subtasks)],
             "rows": list(self._rows),
             "alignment_times": list(self._alignment_times),
             "last_loss": self._last_loss,
@@ -862,7 +868,7 @@ class IterationCoordinator:
                 self._main.adopt(cloudpickle.loads(blob))
         self._listeners = cloudpickle.loads(data["listeners"])
         self.cut.restore(Cut.from_plain(data["cut"]))
-        self._feedback_counts = list(data["feedback_counts"])
+        self._feedback_counts = Counter(dict(enumerate(data["feedback_counts"])))
         self._rows = list(data["rows"])
         self._alignment_times = list(data["alignment_times"])
         self._last_loss = data["last_loss"]

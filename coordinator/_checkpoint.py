@@ -179,7 +179,7 @@ def _encode(obj: Any, *, key: bytes, run_id: str, kind: str, epoch: int) -> list
         head = io.BytesIO()
         np.lib.format.write_array_header_2_0(head, np.lib.format.header_data_from_array_1_0(arr))
         blobs.append(head.getvalue())
-        blobs.append(memoryview(arr).cast("B") if arr.nbytes else b"")
+        blobs.append(arr.data.cast("B") if arr.nbytes else b"")
         table.append(len(blobs[-2]) + arr.nbytes)
     header = json.dumps(
         {

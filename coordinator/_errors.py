@@ -7,6 +7,8 @@ tree is drawn there).
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CheckpointError",
     "ConfigTypeError",
@@ -76,7 +78,9 @@ class RemoteFailure(HybridIterError):
         at = f" at epoch {self.epoch}" if self.epoch is not None else ""
         return f"{who}{at} in {self.where}: {self.type_name}: {self.message}"
 
-    def __reduce__(self):  # keep every field through pickling
+    def __reduce__(  # keep every field through pickling
+        self,
+    ) -> tuple[type[RemoteFailure], tuple[Any, ...]]:
         return (
             RemoteFailure,
             (

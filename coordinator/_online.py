@@ -90,8 +90,9 @@ class OnlineCoordinator(IterationCoordinator):
         self.restore_report: dict[str, Any] = {}
         super().__init__(spec, put)
         self._attempt = 0
-        if not isinstance(self._feedback_counts, Counter):
-            self._feedback_counts = Counter()  # partitions vary between micro-batches
+
+    def _new_feedback_counts(self) -> Counter[int]:
+        return Counter()  # partitions vary between micro-batches: only those seen
 
     # -- calls from Spark tasks ---------------------------------------------------------
 
@@ -212,7 +213,7 @@ class OnlineCoordinator(IterationCoordinator):
         dead_letters: int,
         dead_files: int,
     ) -> None:
-        assert self._ckpt_store is not None
+        assert self._ckpt_store is not None and self.spec.checkpoint is not None
         record = {
             "fingerprint": dict(self.spec.checkpoint.fingerprint),
             "batch_id": batch_id,
@@ -238,6 +239,7 @@ class OnlineCoordinator(IterationCoordinator):
     def _persist(self) -> None:
         import cloudpickle
 
+        assert self.spec.checkpoint is not None
         main = self._main.alive()
         data = {
             "fingerprint": dict(self.spec.checkpoint.fingerprint),
@@ -269,7 +271,7 @@ class OnlineCoordinator(IterationCoordinator):
         ``restore_report`` for the driver to hold against Spark's own commit log."""
         assert self._ckpt_store is not None and self.spec.checkpoint is not None
         started = time.perf_counter()
-        self._feedback_counts = Counter()
+        self._feedback_counts = self._new_feedback_counts()
         names = list_names(self._ckpt_store)
         journal_ids = sorted(
             b for b in (_batch_of(n, "jrn-", ".ckpt") for n in names) if b is not None
@@ -323,6 +325,7 @@ class OnlineCoordinator(IterationCoordinator):
     def _check_fingerprint(self, data: dict[str, Any], what: str) -> None:
         from ._checkpoint import fingerprint_mismatch
 
+        assert self._ckpt_store is not None and self.spec.checkpoint is not None
         mismatch = fingerprint_mismatch(
             data.get("fingerprint", {}), self.spec.checkpoint.fingerprint
         )

@@ -103,9 +103,11 @@ class AdamRule:
         self._tmp = _Scratch(size, dtype)
         self._tmp2 = _Scratch(size, dtype)
 
-    def _scale(self) -> float:
+    def _scale(self) -> np.float64:
+        # a numpy scalar, not a float: with float32 shards it makes the update's
+        # arithmetic float64 (NEP 50), as it always was
         self.t += 1
-        return self.lr * np.sqrt(1 - self.b2**self.t) / (1 - self.b1**self.t)
+        return np.float64(self.lr * np.sqrt(1 - self.b2**self.t) / (1 - self.b1**self.t))
 
     def dense(self, w: np.ndarray, g: np.ndarray) -> None:
         a = self._scale()
@@ -342,7 +344,7 @@ class ParameterShard(_ShardCore):
         self.stats["pulls"] += 1
         return self._current()
 
-    async def push_packed(self, msg: tuple) -> tuple[int, np.ndarray | None, Any] | None:
+    async def push_packed(self, msg: tuple[Any, ...]) -> tuple[int, np.ndarray | None, Any] | None:
         """``push(*msg)``: one Ray argument instead of seven (less per-call overhead)."""
         return await self.push(*msg)
 
@@ -388,7 +390,7 @@ class FreeShard(_ShardCore):
         self.stats["pulls"] += 1
         return self._newest()
 
-    def push_packed(self, msg: tuple) -> tuple[int, np.ndarray | None, Any] | None:
+    def push_packed(self, msg: tuple[Any, ...]) -> tuple[int, np.ndarray | None, Any] | None:
         """``push(*msg)``: one Ray argument instead of seven (less per-call overhead)."""
         return self.push(*msg)
 

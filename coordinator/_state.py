@@ -238,7 +238,7 @@ class EpochStateMachine:
 
     # -- checkpoints --------------------------------------------------------------------
 
-    def snapshot(self, calls: dict[int, int]) -> dict:
+    def snapshot(self, calls: dict[int, int]) -> dict[str, Any]:
         """Plain data of a consistent cut: ``calls[pid]`` is the call each subtask is held
         in (it will make that call again after a restore)."""
         if self.terminated is not None or self.failed:
@@ -252,7 +252,7 @@ class EpochStateMachine:
         }
 
     @classmethod
-    def restore(cls, snapshot: dict, **config: Any) -> EpochStateMachine:
+    def restore(cls, snapshot: dict[str, Any], **config: Any) -> EpochStateMachine:
         """A state machine where every subtask is about to make its held call again."""
         sm = cls(len(snapshot["calls"]), **config)
         sm.aligned = snapshot["aligned"]

@@ -254,9 +254,10 @@ class CoordinatorTree:
         if self.bounds and start_groups:
             import ray
 
-            cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=max(1000, 4 * 64))(
-                GroupAggregator
-            )
+            # ray's remote(**options) overload lists task options only, not max_concurrency
+            cls = ray.remote(  # type: ignore[call-overload]
+                num_cpus=0, max_restarts=0, max_concurrency=max(1000, 4 * 64)
+            )(GroupAggregator)
             me = ray.get_runtime_context().current_actor
             self.groups = [cls.remote(me, lo, hi, spec) for lo, hi in self.bounds]
 

@@ -490,7 +490,7 @@ def _fingerprint(
         "subtasks": n,
     }
     if config is not None:
-        ops = {
+        ops: dict[str, Any] = {
             "partition": body.partition,
             "coordinator": body.coordinator,
             "per_round_partition": body.per_round_partition,

@@ -23,7 +23,7 @@ def force_loopback() -> None:
     """Make Ray keep 127.0.0.1 as this node's address (no outward interface)."""
     os.environ[_LOOPBACK_ENV] = "0"
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    constants = sys.modules.get("ray._private.ray_constants")
+    constants: Any = sys.modules.get("ray._private.ray_constants")
     if constants is not None:
         constants.ENABLE_RAY_CLUSTER = False
 

@@ -134,7 +134,8 @@ def probe_ray_cluster(address: str, timeout: float = DEFAULT_CONNECT_TIMEOUT) ->
 
     def ask() -> None:
         try:
-            from ray._raylet import GcsClient
+            # a Cython class that ray's _raylet.pyi does not declare
+            from ray._raylet import GcsClient  # type: ignore[attr-defined]
 
             GcsClient(address=gcs).internal_kv_get(b"hybrid_iter_probe", None, timeout=5)
             outcome["error"] = None
@@ -525,8 +526,10 @@ class Session:
                 )
             _join_ray(ray_address, connect_timeout)
             owns_ray = True  # we connected this driver; disconnect it, the cluster stays
-        address = (
-            ray.get_runtime_context().gcs_address if ray_address in (None, "auto") else ray_address
+        address: str = (
+            ray.get_runtime_context().gcs_address
+            if ray_address is None or ray_address == "auto"
+            else ray_address
         )
         if coordinator_resources:
             _check_offered(coordinator_resources, owns_ray)

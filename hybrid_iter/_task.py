@@ -348,6 +348,7 @@ class _Subtask:
             call, known_version, _ = restored
             self._drain()  # records of reloading were applied before the checkpoint
             if kind == "object":
+                assert blob is not None  # an "object" checkpoint holds the pickled operator
                 self.all_round = self._load(blob)
             elif kind == "state" and self.all_round is not None:
                 import cloudpickle

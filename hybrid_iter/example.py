@@ -111,12 +111,12 @@ def linear_regression(
 
     for name, value in (("rows", rows), ("features", features), ("max_epochs", max_epochs)):
         _check_positive(name, value, integer=True)
-    for name, value in (
+    for name, number in (
         ("learning_rate", learning_rate),
         ("noise", noise),
         ("max_weight_error", max_weight_error),
     ):
-        _check_positive(name, value, integer=False)
+        _check_positive(name, number, integer=False)
     if partitions is None:
         partitions = available_task_slots(session.spark)
     _check_positive("partitions", partitions, integer=True)
@@ -133,7 +133,7 @@ def linear_regression(
     started = time.perf_counter()
     result = iterate_bounded_streams_until_termination(
         init_variables={"w": np.zeros(features + 1)},
-        data_streams=ReplayableDataStreamList.not_replay(DataStream(df, [*cols, "y"])),
+        data_streams=ReplayableDataStreamList.not_replay(DataStream(df, (*cols, "y"))),
         config=IterationConfig(
             staleness=0, parallelism=partitions, name="example-linear-regression"
         ),

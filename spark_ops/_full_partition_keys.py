@@ -121,8 +121,8 @@ def _number(x: Any) -> bytes:
     f = float(x)
     if math.isinf(f):
         f = _MAX_FLOAT if f > 0 else -_MAX_FLOAT
-    rem = _EXACT.subtract(x, decimal.Decimal(f))
-    tail = _REM_ZERO if rem == 0 else _decimal_remainder(rem)
+    exact_rem = _EXACT.subtract(x, decimal.Decimal(f))
+    tail = _REM_ZERO if exact_rem == 0 else _decimal_remainder(exact_rem)
     return _NUM + _float_bits(f) + tail
 
 

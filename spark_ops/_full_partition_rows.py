@@ -33,7 +33,7 @@ _EPOCH = _dt.datetime(1970, 1, 1)
 
 
 try:  # the C descriptor namedtuple uses for its fields
-    from _collections import _tuplegetter
+    from _collections import _tuplegetter  # type: ignore[import-not-found]  # CPython-private, no stub
 except ImportError:  # pragma: no cover - other Pythons
 
     def _tuplegetter(index: int, doc: str) -> Any:
@@ -67,7 +67,7 @@ def _local_timestamps(micros: list) -> list:
 
 
 def _split(values: list, lengths: list) -> list:
-    out = []
+    out: list[Any] = []
     pos = 0
     for n in lengths:
         if n is None:
@@ -119,7 +119,9 @@ def _reader(t: pa.DataType) -> _Convert:
 
         def structs(arr: pa.Array) -> list:
             cols = [conv(child) for conv, child in zip(children, arr.flatten())]
-            rows = list(map(new, zip(*cols))) if cols else [new(()) for _ in range(len(arr))]
+            rows: list[Any] = (
+                list(map(new, zip(*cols))) if cols else [new(()) for _ in range(len(arr))]
+            )
             if arr.null_count:
                 valid = arr.is_valid().to_pylist()
                 rows = [r if ok else None for r, ok in zip(rows, valid)]

@@ -351,7 +351,7 @@ def _emit(spec: TaskSpec, results: Iterator[Any], out: _Out) -> Iterator[pa.Reco
         else:
             pending.append(record(item))
         if len(pending) >= max_rows:
-            yield out.flush()  # type: ignore[misc]
+            yield out.flush()
             pending = out.pending
 
 

@@ -406,7 +406,7 @@ def encode_accumulators(accs: list) -> dict[str, pa.Array]:
             ACC_P: pa.array([pickle.dumps(a, protocol=5) for a in accs], pa.binary()),
         }
     letters = fmt.strip("()")
-    columns = list(zip(*accs)) if fmt.startswith("(") else [accs]
+    columns: list[Sequence[Any]] = list(zip(*accs)) if fmt.startswith("(") else [accs]
     floats = [np.asarray(c, dtype=np.float64) for c, x in zip(columns, letters) if x == "f"]
     ints = [np.asarray(c, dtype=np.int64) for c, x in zip(columns, letters) if x != "f"]
     return {
@@ -427,16 +427,17 @@ def _numeric_format(accs: list) -> str | None:
             if width == 0 or any(type(a) is not tuple or len(a) != width for a in accs):
                 return None
             letters = [_letter(c) for c in zip(*accs)]
-            if None in letters:
+            known = [x for x in letters if x is not None]
+            if len(known) < len(letters):
                 return None
-            fmt = "(" + "".join(letters) + ")"  # type: ignore[arg-type]
+            fmt = "(" + "".join(known) + ")"
         else:
             letter = _letter(accs)
             if letter is None:
                 return None
             fmt = letter
         # ints beyond int64 must not wrap: let pickle carry them
-        columns = list(zip(*accs)) if fmt.startswith("(") else [accs]
+        columns: list[Sequence[Any]] = list(zip(*accs)) if fmt.startswith("(") else [accs]
         for c, x in zip(columns, fmt.strip("()")):
             if x == "i":
                 np.asarray(c, dtype=np.int64)

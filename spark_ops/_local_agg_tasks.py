@@ -13,7 +13,7 @@ columns (see ``_local_agg_kernels``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,10 +205,10 @@ def _with_context(plan: Plan, phase: str, ex: Exception) -> Exception:
 
 def local_phase(
     plan: Plan, metrics: Any
-) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+) -> Callable[[Iterable[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """Partials of one input partition: buffer up to ``buffer_bytes``, group, aggregate."""
 
-    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def run(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         chunks: list[pa.Table] = []
         held = rows_in = emitted = 0
         buf: list[pa.RecordBatch] = []
@@ -251,10 +251,10 @@ def local_phase(
 
 def final_phase(
     plan: Plan, metrics: Any
-) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+) -> Callable[[Iterable[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """Merge the partials of the keys this reducer got, and emit one result per key."""
 
-    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def run(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         got = [b for b in batches if b.num_rows]
         partials = sum(b.num_rows for b in got)
         stats = (partials, 0, 0, 0, 0)
@@ -280,7 +280,7 @@ def final_phase(
     return run
 
 
-def premerge_phase(plan: Plan) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+def premerge_phase(plan: Plan) -> Callable[[Iterable[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """Merge a micro-batch's partials per key, emitting partials: one row per key.
 
     Runs after ``repartition(keys)`` in front of ``applyInPandasWithState``. Besides
@@ -289,7 +289,7 @@ def premerge_phase(plan: Plan) -> Callable[[Iterator[pa.RecordBatch]], Iterator[
     converts the chunk offsets to floats and ``RecordBatch.slice`` rejects them.
     """
 
-    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def run(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         got = [b for b in batches if b.num_rows]
         if not got:
             return

@@ -146,7 +146,8 @@ class VersionApplier:
             content.clear()
         self.spec = spec
         self.content = content
-        self._fresh = set()  # namespaces created by this version: their keys are its keys
+        #: namespaces created by this version: their keys are its keys
+        self._fresh: set[Namespace] = set()
         self._seen: dict[Namespace, set[Any]] = {}
         self._open: dict[Any, list[Any]] = {}
         self.touched: set[Namespace] = set()
@@ -301,8 +302,8 @@ class _ViewState:
     def namespace(self, bucket: int, ns: Namespace) -> Namespace:
         if not self.spec.window or ns is None:
             return None
-        hit = self._match.get((bucket, ns), False)
-        if hit is False:
+        hit = self._match.get((bucket, ns))
+        if hit is None and (bucket, ns) not in self._match:
             wins = self._windows.get(bucket)
             if wins is None:
                 wins = self._windows[bucket] = sorted(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +68,7 @@ def delta_dir(root_path: str, view_id: str, version: int) -> str:
 
 def write_delta_task(
     spec: _ViewSpec, root: str, version: int
-) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+) -> Callable[[Iterable[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function writing one version's rows, grouped by key group.
 
     Input: ``__si_bucket`` then the internal layout. Each file is written under a
@@ -76,7 +76,7 @@ def write_delta_task(
     its own file instead of adding a second copy.
     """
 
-    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def run(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow.parquet as pq
         from pyspark import TaskContext
 
@@ -124,8 +124,8 @@ def write_delta_task(
                         wins = windows.setdefault(b, set())
                         wins.update(nss[i] for i in idx.to_pylist())
         finally:
-            for w, _tmp, _final in writers.values():
-                w.close()
+            for writer, _tmp, _final in writers.values():
+                writer.close()
         for _w, tmp, final in writers.values():
             fs.move(tmp, final)
         out = {

@@ -28,9 +28,9 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pyarrow as pa
 
@@ -66,7 +66,7 @@ class BatchRecord:
     rows: int | None  # known for released records; None for a direct main micro-batch
 
 
-def _distinct_windows(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+def _distinct_windows(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """Runs in a Spark task: the distinct (start, end) of a partition's window column."""
     seen: set[tuple[int, int]] = set()
     for b in batches:
@@ -501,6 +501,7 @@ class SideInputQuery:
         if self._foreach_batch is not None:
             self._foreach_batch(out, out_id)
         else:
+            assert self._sink_format is not None  # start(): foreach_batch or a format
             writer = (
                 out.write.format(self._sink_format).mode("append").options(**self._sink_options)
             )
@@ -557,7 +558,8 @@ class SideInputQuery:
 
     def _release_ready(self) -> None:
         """Process (in Spark) and drop every buffered namespace whose side inputs are ready."""
-        for ns in self.buffer.namespaces():
+        # the buffer holds records under the window namespaces this query gave it
+        for ns in cast("list[Namespace]", self.buffer.namespaces()):
             if not self._ns_ready(ns):
                 continue
             files = self.buffer.files(ns)

@@ -17,6 +17,7 @@ DataFrame's columns and a ``SideInputContext`` set to each record's key and wind
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -129,7 +130,7 @@ def run_op(
 
     try:
         if plan.op == "map_partition":
-            writer = _writer(plan)
+            part_writer = _writer(plan)
             rows = itertools.chain.from_iterable(
                 _bound_rows(ctx, plan, b, buckets, reader(b)) for b, buckets in batches
             )
@@ -137,7 +138,7 @@ def run_op(
             if out is None:
                 return
             for chunk in iter_chunks(iter(out), plan.chunk_rows):
-                yield _to_batch(writer, chunk, plan)
+                yield _to_batch(part_writer, chunk, plan)
             return
         writer = _writer(plan) if plan.op == "map" else None
         for batch, buckets in batches:
@@ -173,10 +174,10 @@ def _broadcast_states(
 
 def broadcast_task(
     plan: OpPlan, views: tuple[tuple[_ViewSpec, int], ...], bcast: Mapping[str, Any]
-) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+) -> Callable[[Iterable[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """Every view broadcast: the input batches are the main DataFrame's."""
 
-    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def run(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         ctx = SideInputContext(_partition_id(), _broadcast_states(views, bcast))
         yield from run_op(plan, ctx, ((b, None) for b in batches))
 
@@ -212,11 +213,11 @@ def copartitioned_task(
     views: tuple[tuple[_ViewSpec, int], ...],
     bcast: Mapping[str, Any],
     keyed: tuple[_ViewSpec, ...],
-) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+) -> Callable[[Iterable[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """Bounded keyed: fold this partition's side rows, then run its main rows."""
     main_tag = len(keyed)
 
-    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def run(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         shards: list[dict[Any, Any]] = [{} for _ in keyed]
         appliers = [VersionApplier(s, c, replace=False) for s, c in zip(keyed, shards)]
         states = _broadcast_states(views, bcast)
@@ -250,15 +251,15 @@ def bucketed_task(
     views: tuple[tuple[_ViewSpec, int], ...],
     bcast: Mapping[str, Any],
     sources: tuple[KeyedSource, ...],
-) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+) -> Callable[[Iterable[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """Streaming keyed: main rows carry their key group; shards come from the side store."""
     n_main = len(plan.main_columns)
 
-    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def run(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         states = _broadcast_states(views, bcast)
         for src in sources:
             states.append(
-                _ViewState(src.spec, src.version, shard=lambda b, src=src: load_shard(src, b))
+                _ViewState(src.spec, src.version, shard=functools.partial(load_shard, src))
             )
         ctx = SideInputContext(_partition_id(), states)
 

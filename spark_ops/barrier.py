@@ -18,7 +18,7 @@ subtask, each read once.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -71,8 +71,8 @@ def _exact_num_partitions(df: DataFrame) -> int:
 
 def _single_stream_fn(
     task: TaskFn,
-) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+) -> Callable[[Iterable[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    def run(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import BarrierTaskContext
 
         pid = BarrierTaskContext.get().partitionId()
@@ -84,7 +84,7 @@ def _single_stream_fn(
     return run
 
 
-def _frame_fn(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+def _frame_fn(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """Each Arrow batch as one row holding its IPC stream bytes."""
     for b in batches:
         sink = pa.BufferOutputStream()
@@ -95,14 +95,14 @@ def _frame_fn(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         )
 
 
-def _key_fn(stream: int, n: int) -> Callable[[int, Iterator[Any]], Iterator[tuple]]:
+def _key_fn(stream: int, n: int) -> Callable[[int, Iterable[Any]], Iterator[tuple[Any, ...]]]:
     """Key the framed rows of one stream by (subtask, stream, source partition, batch).
 
     The index comes from ``mapPartitionsWithIndex`` of this stream's own RDD: inside a
     union, ``TaskContext.partitionId()`` would count the other streams' partitions too.
     """
 
-    def key(source: int, rows: Iterator[Any]) -> Iterator[tuple]:
+    def key(source: int, rows: Iterable[Any]) -> Iterator[tuple[Any, ...]]:
         for seq, row in enumerate(rows):
             yield (source % n, stream, source, seq), row[0]
 

@@ -307,7 +307,10 @@ def _unused_name(columns: Sequence[str], base: str) -> str:
 
 def _max_rows(df: DataFrame) -> int:
     try:
-        n = int(df.sparkSession.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch", "10000"))
+        n = int(
+            df.sparkSession.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch", "10000")
+            or "10000"
+        )
     except (TypeError, ValueError):
         n = 10_000
     return n if n > 0 else 10_000

@@ -423,9 +423,7 @@ class LocalKeyedState(Generic[IN, ACC, OUT]):
 
     def add(self, key: Hashable, value: IN) -> None:
         """Fold one input of ``key`` in."""
-        acc = self._accs.get(key)
-        if acc is None and key not in self._accs:
-            acc = self.aggregate.create_accumulator()
+        acc = self._accs[key] if key in self._accs else self.aggregate.create_accumulator()
         self._accs[key] = self.aggregate.add(value, acc)
 
     def add_batch(self, keys: Any, values: Any) -> None:

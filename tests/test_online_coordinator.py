@@ -1,7 +1,8 @@
 """The online coordinator as a plain class (not an actor; no Spark): commits, the journal,
 and restores from damaged checkpoint directories, stepped one call at a time. It uses the
 session's Ray only because the coordinator asks Ray whether it was restarted (without a
-local Ray that question would connect to whatever cluster it finds)."""
+local Ray that question would connect to whatever cluster it finds); the tests without a
+checkpoint do not ask it and run without Ray."""
 
 from __future__ import annotations
 
@@ -15,9 +16,18 @@ from online_ops import Total
 from coordinator import CheckpointSpec, CoordinatorSpec, Emissions, OnlineCoordinator
 
 
-@pytest.fixture(autouse=True)
-def _local_ray(session):
-    return session
+def pure_coordinator(staleness=0):
+    """No checkpoint and no Ray: the coordinator as a plain object."""
+    spec = CoordinatorSpec(
+        num_subtasks=1,
+        num_streams=1,
+        staleness=staleness,
+        max_epochs=None,
+        has_criteria=False,
+        init_variables={"total": np.zeros(5)},
+        operators=cloudpickle.dumps((Total(), None, [])),
+    )
+    return OnlineCoordinator(spec, put=None)
 
 
 def make(tmp_path, staleness=0):
@@ -57,6 +67,7 @@ def expected(n):
     return np.sum([np.sum(b, axis=0) for b in BATCHES[:n]], axis=0)
 
 
+@pytest.mark.usefixtures("session")
 @pytest.mark.parametrize("staleness", [0, None])
 def test_a_corrupt_newest_snapshot_is_rebuilt_from_the_journal(tmp_path, staleness):
     c = make(tmp_path, staleness)
@@ -82,6 +93,7 @@ def test_a_corrupt_newest_snapshot_is_rebuilt_from_the_journal(tmp_path, stalene
     assert make(tmp_path, staleness).online_state()["restore"]["skipped"] == []
 
 
+@pytest.mark.usefixtures("session")
 def test_snapshot_and_journal_lost_is_reported_not_guessed(tmp_path):
     c = make(tmp_path)
     for b, parts in enumerate(BATCHES):
@@ -94,6 +106,7 @@ def test_snapshot_and_journal_lost_is_reported_not_guessed(tmp_path):
     assert s["restore"]["skipped"]  # the driver holds this against Spark's commit log
 
 
+@pytest.mark.usefixtures("session")
 def test_a_journal_never_applies_across_a_gap(tmp_path):
     c = make(tmp_path)
     for b, parts in enumerate(BATCHES):
@@ -104,3 +117,15 @@ def test_a_journal_never_applies_across_a_gap(tmp_path):
     s = make(tmp_path).online_state()
     # no snapshot left and the journal starts at batch 3: nothing is applied out of order
     assert s["committed"] == -1 and s["restore"]["unusable"][0][0] == 3
+
+
+@pytest.mark.parametrize("staleness", [0, None])
+def test_result_counts_feedback_per_partition(staleness):
+    """Micro-batches have any number of partitions (here more than ``num_subtasks``);
+    ``result().feedback_counts`` maps each partition to the records applied from it
+    (it once enumerated the keys of the online coordinator's Counter instead)."""
+    c = pure_coordinator(staleness)
+    for b, parts in enumerate([[[1, 0, 0, 0, 0]] * 3, [[1, 0, 0, 0, 0]], [[1, 0, 0, 0, 0]] * 2]):
+        assert feed(c, b, parts)["applied"]
+    assert c.result().feedback_counts == {0: 3, 1: 2, 2: 1}
+    np.testing.assert_array_equal(c.latest_variables()["total"], [6, 0, 0, 0, 0])

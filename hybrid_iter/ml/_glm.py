@@ -413,16 +413,16 @@ class Problem:
         full_w[: len(cw)] = cw
         full_x = np.zeros((k, d))
         full_x[: len(cx)] = cx
-        b0 = np.zeros(k)
+        intercepts = np.zeros(k)
         if self.spec.fit_intercept:
-            b0 = np.log1p(full_w)  # MLlib's smoothed class log-counts
-            b0 -= b0.mean()
-            theta[k * d :] = b0
-        lse = float(np.logaddexp.reduce(b0))
-        p = np.exp(b0 - lse)
-        loss = float(full_w @ (lse - b0)) / W
-        G = (np.outer(p, Sx) - full_x) / W
-        gb = (p * W - full_w) / W
+            intercepts = np.log1p(full_w)  # MLlib's smoothed class log-counts
+            intercepts -= intercepts.mean()
+            theta[k * d :] = intercepts
+        lse = float(np.logaddexp.reduce(intercepts))
+        probs = np.exp(intercepts - lse)
+        loss = float(full_w @ (lse - intercepts)) / W
+        G = (np.outer(probs, Sx) - full_x) / W
+        gb = (probs * W - full_w) / W
         return theta, loss, np.concatenate([G.ravel(), gb])
 
     def split(self, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:

@@ -68,7 +68,8 @@ def write_model(
         fs.delete_file(meta_path)  # a crash below leaves "no model", never a mixed one
     fs.create_dir(root, recursive=True)
     buf = io.BytesIO()
-    np.savez(buf, **{k: np.asarray(v) for k, v in arrays.items()})
+    named: dict[str, Any] = {k: np.asarray(v) for k, v in arrays.items()}
+    np.savez(buf, **named)
     with fs.open_output_stream(f"{root}/{_ARRAYS}") as f:
         f.write(buf.getvalue())
     meta = {

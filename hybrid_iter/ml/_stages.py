@@ -53,6 +53,10 @@ def _cap(name: str) -> str:
     return name[0].upper() + name[1:]
 
 
+def _getter(spark_name: str) -> Callable[[Any], Any]:
+    return lambda self: self.getOrDefault(spark_name)
+
+
 class StageParams(Params):
     """Params from ``_SPECS``; ``_init_params(kwargs)`` in the subclass constructor."""
 
@@ -74,9 +78,7 @@ class StageParams(Params):
                 if name not in cls.__dict__:
                     setattr(cls, name, fn)
             if spec.snake != spec.spark and spec.snake not in cls.__dict__:
-                setattr(
-                    cls, spec.snake, property(lambda self, _n=spec.spark: self.getOrDefault(_n))
-                )
+                setattr(cls, spec.snake, property(_getter(spec.spark)))
 
     @classmethod
     def _all_specs(cls) -> dict[str, ParamSpec]:
@@ -165,7 +167,7 @@ class StageModelWriter(MLWriter):
 class StageModelReader(MLReader):
     """Reads what ``StageModelWriter`` wrote."""
 
-    def __init__(self, cls: type) -> None:
+    def __init__(self, cls: type[Any]) -> None:  # a model class with _from_arrays
         super().__init__()
         self.cls = cls
 

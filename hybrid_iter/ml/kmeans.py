@@ -458,7 +458,7 @@ class KMeans:
             progress_tag="cost",
         )
         fc = self.features_col
-        params = {
+        params: dict[str, Any] = {
             "features_col": fc if isinstance(fc, str) else list(fc),
             "prediction_col": self.prediction_col,
             "k": self.k,
@@ -562,7 +562,7 @@ def _predict_udf(C: np.ndarray, cosine: bool) -> Any:
     centres = np.array(C, dtype=np.float64)
     d = centres.shape[1]
 
-    def predict(arrays):  # type: ignore[no-untyped-def]
+    def predict(arrays: Any) -> Any:  # pd.Series -> pd.Series (set below)
         if not len(arrays):
             return pd.Series(np.zeros(0, dtype=np.int32))
         X = np.stack(arrays.to_numpy()).reshape(len(arrays), d)

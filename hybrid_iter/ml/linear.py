@@ -573,7 +573,7 @@ def _margins_udf(B: np.ndarray, b: np.ndarray, *, single: bool) -> Any:
     bias = np.array(b, dtype=np.float64)
     dim = weights.shape[1]
 
-    def margin(arrays):  # type: ignore[no-untyped-def]
+    def margin(arrays: Any) -> Any:  # pd.Series -> pd.Series (set below)
         if not len(arrays):
             return pd.Series([], dtype=float if single else object)
         Z = np.stack(arrays.to_numpy()).reshape(len(arrays), dim) @ weights.T + bias
@@ -679,6 +679,9 @@ class _LinearModel(StageParams, SparkModel, StageModelIO):
         if params:
             return self.copy(params).transform(dataset, features_col=features_col)
         return self._transform(dataset, features_col)
+
+    def _transform(self, dataset: Any, features_col: Any = None) -> Any:
+        raise NotImplementedError  # each model's output columns
 
     def _features(self, features_col: Any) -> Any:
         return features_col if features_col is not None else self.value("features_col")

@@ -65,13 +65,14 @@ class Layout:
         if isinstance(init, Mapping):
             if not init:
                 raise IterationConfigError("init must hold at least one parameter array")
-            names: tuple[str, ...] | None = tuple(init)
-            for n in names:
+            keys = tuple(init)
+            for n in keys:
                 if not isinstance(n, str) or not n:
                     raise IterationConfigError(
                         f"init's keys must be parameter names (strings), got {n!r}"
                     )
-            arrays = [_numeric(f"init[{n!r}]", init[n]) for n in names]
+            arrays = [_numeric(f"init[{n!r}]", init[n]) for n in keys]
+            names: tuple[str, ...] | None = keys
         else:
             names = None
             arrays = [_numeric("init", init)]

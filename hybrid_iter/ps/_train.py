@@ -93,7 +93,8 @@ class _Shards:
     def __init__(self, names: Sequence[str], bounds: Sequence[int], dtype: str) -> None:
         import ray
 
-        self.handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
+        # Any, like start_shards' handles: ray types get_actor's handle as of no class
+        self.handles: list[Any] = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
         self.bounds = list(bounds)
         self.dtype = np.dtype(dtype)
         self.buffer: np.ndarray | None = None
@@ -422,7 +423,7 @@ def train(
             criteria=True if tol is not None else None,  # else epochs (max_epochs) ends it
         )
         scalar = [c for c in names if c not in widths and column_kind(_type(df, c)) == "scalar"]
-        stream = DataStream(df.select(*names), numeric_columns=scalar or None)
+        stream = DataStream(df.select(*names), numeric_columns=tuple(scalar) or None)
         config = IterationConfig(
             staleness=iteration_staleness,
             max_epochs=epochs,
