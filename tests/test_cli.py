@@ -34,11 +34,11 @@ def nothing_starts(monkeypatch):
     def refuse(options):
         raise AssertionError(f"a session was opened for {options}")
 
-    monkeypatch.setattr(cli, "_open_session", refuse)
+    monkeypatch.setattr(cli._runner, "_open_session", refuse)
 
 
 def resolve(argv: list[str], environ: dict[str, str] | None = None) -> cli.RunOptions:
-    return cli.resolve_run_options(cli._parser().parse_args(["run", *argv]), environ or {})
+    return cli.resolve_run_options(cli._options._parser().parse_args(["run", *argv]), environ or {})
 
 
 def _carries(pid: int, marker: str) -> bool:

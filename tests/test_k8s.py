@@ -662,7 +662,7 @@ def _port_ranges(pod: PodTemplate) -> dict[str, tuple[int, int]]:
 
 
 def spark_conf(docs: list[dict[str, Any]]) -> dict[str, str]:
-    from hybrid_iter.cli import _pairs
+    from hybrid_iter.cli._options import _pairs
 
     (head,) = [p for p in pod_templates(docs) if p.role == "head"]
     return _pairs(head.env()["HYBRID_ITER_SPARK_CONF"]["value"], "HYBRID_ITER_SPARK_CONF")
@@ -883,7 +883,8 @@ def test_egress_is_denied_but_for_dns_the_cluster_and_https_never_the_metadata_s
 def job_options(docs: list[dict[str, Any]]) -> Any:
     """The RayJob driver's options, resolved by the CLI from its entrypoint and the head
     container's environment, as in the pod."""
-    from hybrid_iter.cli import _parser, resolve_run_options
+    from hybrid_iter.cli import resolve_run_options
+    from hybrid_iter.cli._options import _parser
 
     (head,) = [p for p in pod_templates(docs) if p.role == "head"]
     environ = {k: e["value"] for k, e in head.env().items() if "value" in e}
