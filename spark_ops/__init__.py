@@ -1,21 +1,24 @@
 """Spark data plane of hybrid_iter, usable on its own (never imports ray or hybrid_iter).
 
-* The barrier stage and the Arrow -> numpy partition cache (``barrier``,
-  ``partition_cache``): each subtask of an iteration reads its data once.
-* Full-partition operators (FLIP-380; ``full_partition``): ``map_partition``,
-  ``sort_partition``, ``aggregate``, ``reduce`` over whole partitions or key groups, with
-  rich functions (``open(ctx)`` / ``close()``).
-* Skew-proof local aggregation (FLIP-323; ``local_agg``): ``local_key_by`` pre-aggregates
-  in each task before the shuffle.
-* Side inputs (FLIP-17; ``side_inputs``): broadcast and keyed singleton / list / map /
-  multimap views for bounded and streaming main inputs.
+One folder per capability; this module re-exports each one's public surface:
+
+* ``full_partition/`` (FLIP-380): ``map_partition``, ``sort_partition``, ``aggregate``,
+  ``reduce`` over whole partitions or key groups, with rich functions (``open(ctx)`` /
+  ``close()``).
+* ``local_agg/`` (FLIP-323): ``local_key_by`` pre-aggregates in each task before the
+  shuffle (skew-proof); ``local_agg.keyed_state``: local keyed state with key groups.
+* ``side_inputs/`` (FLIP-17): broadcast and keyed singleton / list / map / multimap
+  views for bounded and streaming main inputs.
+* ``iteration/``: what hybrid_iter's iterations run on: the barrier stage (``barrier``)
+  and the Arrow -> numpy cache each subtask reads its data into once
+  (``partition_cache``).
+* ``aggregate.py``: the ``AggregateFunction`` contract the capabilities share.
 
 Every error raised on purpose derives from ``SparkOpsError`` (the tree: ``_errors``).
 """
 
 from ._errors import SparkOpsConfigError, SparkOpsError, SparkOpsIndexError
 from .aggregate import AggregateFunction
-from .barrier import BarrierStage, ReplayPlan, available_task_slots, num_partitions
 from .full_partition import (
     FunctionContext,
     KeyedDataFrame,
@@ -26,14 +29,15 @@ from .full_partition import (
     full_window_partition,
     key_by,
 )
-from .keyed_state import (
-    KeyedStateSnapshot,
-    KeyGroupRange,
-    KeyGroupState,
-    LocalKeyedState,
-    key_group_of,
-    key_group_range,
-    redistribute,
+from .iteration import (
+    BarrierStage,
+    ColumnChunks,
+    NumpyCache,
+    ReplayPlan,
+    available_task_slots,
+    column_to_numpy,
+    is_numeric_arrow_type,
+    num_partitions,
 )
 from .local_agg import (
     LocalAggMetrics,
@@ -42,7 +46,15 @@ from .local_agg import (
     NonMergeableAggregateError,
     local_key_by,
 )
-from .partition_cache import NumpyCache, column_to_numpy, is_numeric_arrow_type
+from .local_agg.keyed_state import (
+    KeyedStateSnapshot,
+    KeyGroupRange,
+    KeyGroupState,
+    LocalKeyedState,
+    key_group_of,
+    key_group_range,
+    redistribute,
+)
 from .side_inputs import (
     ListSideInput,
     MapSideInput,
@@ -64,6 +76,7 @@ from .side_inputs import (
 __all__ = [
     "AggregateFunction",
     "BarrierStage",
+    "ColumnChunks",
     "FunctionContext",
     "KeyGroupRange",
     "KeyGroupState",

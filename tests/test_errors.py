@@ -19,6 +19,7 @@ from hybrid_iter import SparkOpsError
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN_BASES = (ValueError, TypeError, RuntimeError, LookupError, TimeoutError)
 
+
 def _exported_exceptions() -> list[tuple[str, type[BaseException]]]:
     found = []
     for module in (hi, coordinator, hybrid_iter.ml, hybrid_iter.ps):

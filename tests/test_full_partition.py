@@ -38,7 +38,7 @@ from spark_ops import (
     full_window_partition,
     key_by,
 )
-from spark_ops._full_partition_keys import encode_key, encode_keys
+from spark_ops.full_partition._keys import encode_key, encode_keys
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

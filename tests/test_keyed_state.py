@@ -26,7 +26,7 @@ from spark_ops import (
     key_group_range,
     redistribute,
 )
-from spark_ops.keyed_state import key_groups_of, stable_hash, subtask_for_key_group
+from spark_ops.local_agg.keyed_state import key_groups_of, stable_hash, subtask_for_key_group
 
 
 class Mean(AggregateFunction):
@@ -86,9 +86,7 @@ KEYS = [0, 1, -1, 2**40, -(2**63), "", "a", "é", b"a", 2.5, None, ("a", 1), (1,
 
 
 def test_stable_hash_is_the_same_in_another_process_with_another_hash_seed():
-    code = (
-        f"from spark_ops.keyed_state import stable_hash\nprint([stable_hash(k) for k in {KEYS!r}])"
-    )
+    code = f"from spark_ops.local_agg.keyed_state import stable_hash\nprint([stable_hash(k) for k in {KEYS!r}])"
     outs = set()
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed}

@@ -29,9 +29,9 @@ from spark_ops import (
     SingletonSideInput,
     with_side_inputs,
 )
-from spark_ops._side_content import VersionApplier, match_window
-from spark_ops._side_task import OpPlan, broadcast_task
-from spark_ops._side_views import _ViewSpec
+from spark_ops.side_inputs._content import VersionApplier, match_window
+from spark_ops.side_inputs._task import OpPlan, broadcast_task
+from spark_ops.side_inputs._views import _ViewSpec
 
 N_MAIN = 400
 

@@ -272,7 +272,9 @@ def test_a_keyed_windowed_duplicate_is_named_with_its_window_before_the_main_job
     assert [r.rate for r in rows] == [0.5]
     twice = side.union(side.filter("rate = 0.7"))
     bad = MapSideInput(twice, key="user_id", value="rate", window="w", keyed=True)
-    with pytest.raises(so.SideInputValueError, match=r"key 1 more than once.*window \[2026-01-01T12:01"):
+    with pytest.raises(
+        so.SideInputValueError, match=r"key 1 more than once.*window \[2026-01-01T12:01"
+    ):
         with_side_inputs(main, bad, key="user_id", window="w").map(
             lambda row, ctx: (0.0,), "rate double"
         )

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.types as pat
 
 from spark_ops import column_to_numpy, is_numeric_arrow_type
-from spark_ops.partition_cache import ColumnChunks
+from spark_ops.iteration.partition_cache import ColumnChunks
 
 from .._errors import DataValidationError, IterationConfigError, UsageError
 

@@ -28,9 +28,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.types as pat
 
-from ._full_partition_rows import RowReader
-from ._side_errors import SideInputConfigError, SideInputScopeError, SideInputValueError
-from ._side_views import SideInput, _ViewSpec
+from ..full_partition._rows import RowReader
+from ._errors import SideInputConfigError, SideInputScopeError, SideInputValueError
+from ._views import SideInput, _ViewSpec
 
 __all__ = [
     "FastRowReader",

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from ._side_content import VersionApplier, duplicate_error, key_names, value_names
-from ._side_errors import SideInputConfigError, SideInputKeyError
-from ._side_store import KeyedSource
-from ._side_task import (
+from ..iteration.barrier import _FRAMED_SCHEMA, _frame_fn
+from ._content import VersionApplier, duplicate_error, key_names, value_names
+from ._errors import SideInputConfigError, SideInputKeyError
+from ._store import KeyedSource
+from ._task import (
     BUCKET,
     MAIN,
     TAG,
@@ -27,8 +28,7 @@ from ._side_task import (
     copartitioned_task,
     side_struct,
 )
-from ._side_views import SideInput, _ViewSpec, check_window_column
-from .barrier import _FRAMED_SCHEMA, _frame_fn
+from ._views import SideInput, _ViewSpec, check_window_column
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame

@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pyarrow as pa
 
-from ._side_buffer import RecordBuffer, arrow_fs
-from ._side_content import duplicate_error, match_window, namespaces_of
-from ._side_errors import SideInputConfigError, SideInputError, SideInputNotReadyError
-from ._side_plan import MainSpec, col, collect_arrow, fold_side, layout_columns, run_on
-from ._side_store import SUMMARY_SCHEMA, Delta, KeyedSource, delta_dir, write_delta_task
-from ._side_task import BUCKET, OpPlan
-from ._side_views import SideInput, _ViewSpec
+from ._buffer import RecordBuffer, arrow_fs
+from ._content import duplicate_error, match_window, namespaces_of
+from ._errors import SideInputConfigError, SideInputError, SideInputNotReadyError
+from ._plan import MainSpec, col, collect_arrow, fold_side, layout_columns, run_on
+from ._store import SUMMARY_SCHEMA, Delta, KeyedSource, delta_dir, write_delta_task
+from ._task import BUCKET, OpPlan
+from ._views import SideInput, _ViewSpec
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame

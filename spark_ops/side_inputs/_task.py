@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ._full_partition_rows import RowWriter
-from ._side_content import (
+from ..full_partition._rows import RowWriter
+from ._content import (
     FastRowReader,
     SideInputContext,
     VersionApplier,
@@ -38,9 +38,9 @@ from ._side_content import (
     namespaces_of,
     value_names,
 )
-from ._side_errors import SideInputError
-from ._side_store import KeyedSource, load_shard
-from ._side_views import _ViewSpec
+from ._errors import SideInputError
+from ._store import KeyedSource, load_shard
+from ._views import _ViewSpec
 
 __all__ = ["OpPlan", "broadcast_task", "bucketed_task", "copartitioned_task", "run_op"]
 

@@ -34,14 +34,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._errors import SparkOpsConfigError
-from .aggregate import AggregateFunction, _check_aggregate
+from .._errors import SparkOpsConfigError
+from ..aggregate import AggregateFunction, _check_aggregate
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
     from pyspark.sql.types import DataType, StructType
 
-    from ._local_agg_tasks import Plan
+    from ._tasks import Plan
 
 __all__ = [
     "LocalAggMetrics",
@@ -318,8 +318,8 @@ class LocalKeyedView:
         from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_type
         from pyspark.sql.types import StructField, StructType
 
-        from . import _local_agg_kernels as K
-        from ._local_agg_tasks import Plan
+        from . import _kernels as K
+        from ._tasks import Plan
 
         key_fields = [self._fields[k] for k in self.keys]
         value_fields = [self._fields[v] for v in values]
@@ -556,7 +556,7 @@ class LocalKeyedView:
         phases (``ufunc.reduceat``); any other callable is called once per row. The result
         has the column's type unless ``result_type`` says otherwise.
         """
-        from . import _local_agg_kernels as K
+        from . import _kernels as K
 
         what = self._what(f"reduce({getattr(fn, '__name__', type(fn).__name__)})")
         if fn is None or not callable(fn):
@@ -672,7 +672,7 @@ class LocalAggregation:
         self._metrics = None
         self._collected = False
         if not self.is_streaming:
-            from ._local_agg_tasks import MetricsParam
+            from ._tasks import MetricsParam
 
             self._metrics = selected.sparkSession.sparkContext.accumulator({}, MetricsParam())
 
@@ -692,12 +692,12 @@ class LocalAggregation:
         return self._df
 
     def _partials(self, metrics: Any) -> DataFrame:
-        from ._local_agg_tasks import local_phase
+        from ._tasks import local_phase
 
         return self._selected.mapInArrow(local_phase(self._plan, metrics), self._partial_struct)
 
     def _build_bounded(self) -> DataFrame:
-        from ._local_agg_tasks import final_phase
+        from ._tasks import final_phase
 
         keys = [_quoted(k) for k in self._plan.keys]
         partials = self._partials(self._metrics)
@@ -708,8 +708,8 @@ class LocalAggregation:
     def _build_streaming(self) -> DataFrame:
         from pyspark.sql import functions as F
 
-        from . import _local_agg_kernels as K
-        from ._local_agg_tasks import premerge_phase, stream_state_fn
+        from . import _kernels as K
+        from ._tasks import premerge_phase, stream_state_fn
 
         plan = self._plan
         partials = self._partials(None).observe(

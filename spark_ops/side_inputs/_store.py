@@ -24,8 +24,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from ._side_content import VersionApplier, key_names, keys_of, namespaces_of
-from ._side_views import _ViewSpec
+from ._content import VersionApplier, key_names, keys_of, namespaces_of
+from ._views import _ViewSpec
 
 __all__ = ["SUMMARY_SCHEMA", "Delta", "KeyedSource", "load_shard", "write_delta_task"]
 

@@ -21,7 +21,7 @@ inside Spark's own exception, with its message intact).
 
 from __future__ import annotations
 
-from ._errors import SparkOpsConfigError, SparkOpsError
+from .._errors import SparkOpsConfigError, SparkOpsError
 
 __all__ = [
     "SideInputConfigError",

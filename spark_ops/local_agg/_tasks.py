@@ -22,8 +22,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.accumulators import AccumulatorParam
 
-from . import _local_agg_kernels as K
-from .aggregate import AggregateFunction
+from ..aggregate import AggregateFunction
+from . import _kernels as K
 
 __all__: list[str] = []
 

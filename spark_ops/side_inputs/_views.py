@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ._side_errors import SideInputConfigError
+from ._errors import SideInputConfigError
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame

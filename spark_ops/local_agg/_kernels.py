@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .aggregate import AggregateFunction
+from ..aggregate import AggregateFunction
 
 __all__: list[str] = []
 

@@ -47,8 +47,8 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from ._errors import SparkOpsConfigError
-from .aggregate import AggregateFunction, _check_aggregate
+from .._errors import SparkOpsConfigError
+from ..aggregate import AggregateFunction, _check_aggregate
 
 __all__ = [
     "DEFAULT_MAX_PARALLELISM",

@@ -87,9 +87,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._side_buffer import RecordBuffer
-from ._side_content import SideInputContext
-from ._side_errors import (
+from ._buffer import RecordBuffer
+from ._content import SideInputContext
+from ._errors import (
     SideInputConfigError,
     SideInputError,
     SideInputKeyError,
@@ -97,9 +97,9 @@ from ._side_errors import (
     SideInputScopeError,
     SideInputValueError,
 )
-from ._side_plan import broadcast_contents, check_keyed_unique, check_main, make_plan, run_on
-from ._side_stream import BatchRecord, SideInputQuery, SideInputStream
-from ._side_views import (
+from ._plan import broadcast_contents, check_keyed_unique, check_main, make_plan, run_on
+from ._stream import BatchRecord, SideInputQuery, SideInputStream
+from ._views import (
     ListSideInput,
     MapSideInput,
     MultimapSideInput,

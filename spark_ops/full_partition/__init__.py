@@ -57,10 +57,10 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from ._errors import SparkOpsConfigError, SparkOpsIndexError
-from ._full_partition_tasks import FunctionContext, PartitionFunctionError, TaskSpec, run_task
-from .aggregate import AggregateFunction, _check_aggregate
-from .barrier import num_partitions
+from .._errors import SparkOpsConfigError, SparkOpsIndexError
+from ..aggregate import AggregateFunction, _check_aggregate
+from ..iteration.barrier import num_partitions
+from ._tasks import FunctionContext, PartitionFunctionError, TaskSpec, run_task
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame

@@ -31,9 +31,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.types as pat
 
-from ._errors import SparkOpsError
-from ._full_partition_keys import encode_keys
-from ._full_partition_rows import RowReader, RowWriter, conform_batch
+from .._errors import SparkOpsError
+from ._keys import encode_keys
+from ._rows import RowReader, RowWriter, conform_batch
 
 __all__ = ["FunctionContext", "PartitionFunctionError", "TaskSpec", "run_task"]
 

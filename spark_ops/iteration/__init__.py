@@ -1,0 +1,17 @@
+"""The iteration plumbing on the Spark side: the barrier stage that runs every subtask
+of an iteration at once (``barrier``) and the Arrow -> numpy cache each subtask reads
+its data into once (``partition_cache``)."""
+
+from .barrier import BarrierStage, ReplayPlan, available_task_slots, num_partitions
+from .partition_cache import ColumnChunks, NumpyCache, column_to_numpy, is_numeric_arrow_type
+
+__all__ = [
+    "BarrierStage",
+    "ColumnChunks",
+    "NumpyCache",
+    "ReplayPlan",
+    "available_task_slots",
+    "column_to_numpy",
+    "is_numeric_arrow_type",
+    "num_partitions",
+]
