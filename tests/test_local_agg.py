@@ -26,7 +26,7 @@ from spark_ops import (
     NonMergeableAggregateError,
     local_key_by,
 )
-from spark_ops import _local_agg_kernels as K
+from spark_ops.local_agg import _kernels as K
 
 N = 3000
 SCHEMA = "k long, s string, v long, x double"
