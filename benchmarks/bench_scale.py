@@ -8,7 +8,7 @@ variables fan-out of one object-store put per version to N subtasks.
 
 A **simulation on one 2-core machine**: the real coordinator actor
 (``coordinator.IterationCoordinator``, with its group aggregator actors in tree mode) and
-the real task-side protocol code (``hybrid_iter._task._Subtask``: the same calls a Spark
+the real task-side protocol code (``hybrid_iter._runtime.task._Subtask``: the same calls a Spark
 task makes, minus Spark), driven by N simulated subtasks: threads in a few client
 processes (Ray actors), real Ray calls, no mocks. The clients compete with the
 coordinator for the 2 cores, so the wall times (alignment time per epoch) measure the
@@ -203,7 +203,7 @@ class _Client:
     def run(self, plan: Any, pids: list[int], coord: Any) -> dict:
         import pyarrow as pa
 
-        from hybrid_iter._task import _Subtask
+        from hybrid_iter._runtime.task import _Subtask
 
         batch = pa.record_batch({"x": pa.array([1.0])})
         stamps: dict[int, list[float]] = {}
@@ -249,8 +249,8 @@ def run_config(
 
     from coordinator import CoordinatorSpec
     from coordinator._tree import TreeSpec
-    from hybrid_iter._ray_util import NAMESPACE
-    from hybrid_iter._task import TaskPlan
+    from hybrid_iter._runtime.ray_util import NAMESPACE
+    from hybrid_iter._runtime.task import TaskPlan
 
     op_bytes, coord_bytes = ops or _make_ops(size, epochs, tree)
     spec_tree = TreeSpec(cloudpickle.dumps("sum"), fan_in) if tree else None
@@ -426,7 +426,7 @@ def main() -> None:
         fanout = [int(float(x)) for x in args.fanout_sizes.split(",") if x]
     epochs = args.epochs or epochs
 
-    from hybrid_iter._ray_util import NAMESPACE, force_loopback
+    from hybrid_iter._runtime.ray_util import NAMESPACE, force_loopback
 
     force_loopback()
     import ray

@@ -41,8 +41,10 @@ from ._errors import (
     UsageError,
     VariablesMismatchError,
 )
-from ._iterate import iterate_bounded_streams_until_termination
-from ._online import (
+from ._operators import CoordinatorOperator, IterationListener, PartitionOperator
+from ._result import IterationResult
+from ._runtime.iterate import iterate_bounded_streams_until_termination
+from ._runtime.online import (
     EPOCH_MAX,
     OnlineCheckpointError,
     OnlineConfig,
@@ -50,11 +52,9 @@ from ._online import (
     OnlineProgress,
     iterate_unbounded_streams,
 )
-from ._operators import CoordinatorOperator, IterationListener, PartitionOperator
-from ._result import IterationResult
+from ._runtime.task import PartitionCollector, PartitionContext
 from ._session import Session
 from ._streams import DataStream, ReplayableDataStreamList
-from ._task import PartitionCollector, PartitionContext
 
 __version__ = "0.1.0"
 

@@ -31,9 +31,9 @@ import pyarrow as pa
 from ._body import IterationBody
 from ._config import IterationConfig, OperatorLifecycle
 from ._errors import IterationConfigError
-from ._iterate import iterate_bounded_streams_until_termination
 from ._operators import CoordinatorOperator, PartitionOperator
 from ._result import IterationResult
+from ._runtime.iterate import iterate_bounded_streams_until_termination
 from ._streams import DataStream, ReplayableDataStreamList
 
 __all__ = ["BulkStep", "DeltaStep", "iterate_bulk", "iterate_delta"]

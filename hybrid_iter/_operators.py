@@ -16,7 +16,7 @@ import pyarrow as pa
 if TYPE_CHECKING:
     from coordinator import CoordinatorCollector, CoordinatorContext
 
-    from ._task import PartitionCollector, PartitionContext
+    from ._runtime.task import PartitionCollector, PartitionContext
 
 __all__ = ["CoordinatorOperator", "IterationListener", "PartitionOperator"]
 

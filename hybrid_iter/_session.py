@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ._errors import SessionError
-from ._placement import check_resources
-from ._ray_util import NAMESPACE, force_loopback, is_loopback_address
+from ._runtime.placement import check_resources
+from ._runtime.ray_util import NAMESPACE, force_loopback, is_loopback_address
 
 __all__ = [
     "ADDRESS_ENV_VARS",
@@ -283,7 +283,7 @@ class Session:
         self.ray_address = ray_address
         self.kind = kind
         #: Ray resources for the coordinator and PS shards (``None``: the head node when
-        #: the cluster has several nodes; see ``hybrid_iter._placement``).
+        #: the cluster has several nodes; see ``hybrid_iter._runtime.placement``).
         self.coordinator_resources = (
             None if coordinator_resources is None else dict(coordinator_resources)
         )

@@ -22,8 +22,8 @@ import numpy as np
 from ._body import IterationBody, TerminateOnMaxIterOrTol
 from ._config import IterationConfig
 from ._errors import IterationConfigError
-from ._iterate import iterate_bounded_streams_until_termination
 from ._operators import CoordinatorOperator, PartitionOperator
+from ._runtime.iterate import iterate_bounded_streams_until_termination
 from ._session import Session
 from ._streams import DataStream, ReplayableDataStreamList
 

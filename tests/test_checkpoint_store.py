@@ -23,7 +23,7 @@ from coordinator import (
     IterationCoordinator,
 )
 from coordinator._checkpoint import KEY_ENV, checkpoint_key, damaged_since, key_id
-from hybrid_iter._iterate import node_local_refusal
+from hybrid_iter._runtime.iterate import node_local_refusal
 
 KEY = b"k" * 32
 

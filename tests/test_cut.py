@@ -2,7 +2,7 @@
 
 ``CutProtocol`` is the pure core; the property test drives the real coordinator class
 (``IterationCoordinator``, without Ray: its methods are coroutines) with simulated
-subtasks that follow the task-side protocol of ``hybrid_iter._task`` and crash at random
+subtasks that follow the task-side protocol of ``hybrid_iter._runtime.task`` and crash at random
 points: any call, during a checkpoint (some states in, not all), between a publish and
 its consumption, during a restore itself. Every crash relaunches the whole stage on a new
 coordinator restored from the checkpoint directory, as the driver does. A sync run must
@@ -169,7 +169,7 @@ def _spec(directory: str, *, restore: bool, every: int) -> CoordinatorSpec:
 
 
 async def _subtask(world: World, coord: IterationCoordinator, pid: int, attempt: int, log):
-    """One subtask, following ``hybrid_iter._task._Subtask``'s protocol."""
+    """One subtask, following ``hybrid_iter._runtime.task._Subtask``'s protocol."""
     restored = await coord.restored(pid)
     await world.tick()
     payload = await coord.variables(-1)

@@ -156,7 +156,7 @@ def test_hooks_are_validated_with_the_argument_named():
 
 #: the only sleeps on a product path: bounded polling of something outside the process
 ALLOWED_SLEEPS = {
-    "hybrid_iter/_iterate.py": 2,  # Ray restarting the coordinator; lost executors
+    "hybrid_iter/_runtime/iterate.py": 2,  # Ray restarting the coordinator; lost executors
     "hybrid_iter/_session.py": 1,  # an external registration
 }
 _EXIT = re.compile(r"\bos\._exit\(")

@@ -13,8 +13,8 @@ import pytest
 
 from coordinator import Progress
 from hybrid_iter import cli, ml, ps
-from hybrid_iter._progress import ProgressPrinter
 from hybrid_iter._result import _series
+from hybrid_iter._runtime.progress import ProgressPrinter
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -146,7 +146,7 @@ def test_progress_line_shows_rows_per_second_and_stragglers():
 
 def test_progress_reaches_the_driver_from_a_real_run(spark, monkeypatch):
     """The coordinator's Progress carries the rows and every subtask's epochs."""
-    import hybrid_iter._iterate as iterate
+    import hybrid_iter._runtime.iterate as iterate
 
     out = io.StringIO()
     original = iterate.ProgressPrinter

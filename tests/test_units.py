@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import hybrid_iter as hi
 from coordinator import Progress, VariablesMismatchError, VariablesStore
-from hybrid_iter._progress import ProgressPrinter
+from hybrid_iter._runtime.progress import ProgressPrinter
 
 # -- variables store ------------------------------------------------------------------------
 
@@ -177,7 +177,7 @@ def test_dumps_is_thread_safe_and_keeps_the_users_own_registrations():
     import cloudpickle
     import ops  # a user-local module (tests/ops.py)
 
-    from hybrid_iter._shipping import dumps
+    from hybrid_iter._runtime.shipping import dumps
 
     errors = []
 

@@ -341,7 +341,7 @@ def test_a_relaunch_without_enough_task_slots_fails_naming_the_cause(spark):
     of Spark holding the stage without a word."""
     import types
 
-    from hybrid_iter._iterate import _wait_for_slots
+    from hybrid_iter._runtime.iterate import _wait_for_slots
 
     slots = spark.sparkContext.defaultParallelism
     config = hi.IterationConfig(call_timeout=0.2)

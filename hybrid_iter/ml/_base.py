@@ -13,8 +13,8 @@ import numpy as np
 from .._body import IterationBody
 from .._config import IterationConfig
 from .._errors import IterationConfigError
-from .._iterate import iterate_bounded_streams_until_termination
 from .._result import IterationResult
+from .._runtime.iterate import iterate_bounded_streams_until_termination
 from .._streams import DataStream, ReplayableDataStreamList, _is_dataframe
 from ._features import FeaturePlan
 from ._persist import read_model, write_model

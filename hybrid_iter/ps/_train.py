@@ -41,11 +41,11 @@ from coordinator._variables import fetch_all
 from .._body import IterationBody
 from .._config import IterationConfig
 from .._errors import ConfigTypeError, IterationConfigError
-from .._iterate import iterate_bounded_streams_until_termination
 from .._operators import CoordinatorOperator, PartitionOperator
-from .._placement import actor_class, kill, launch
-from .._ray_util import NAMESPACE
 from .._result import IterationResult
+from .._runtime.iterate import iterate_bounded_streams_until_termination
+from .._runtime.placement import actor_class, kill, launch
+from .._runtime.ray_util import NAMESPACE
 from .._streams import DataStream, ReplayableDataStreamList
 from ..ml._base import check_dataframe, check_int, check_mode, check_progress
 from ..ml._features import VECTOR, ColumnCache, column_kind, resolve_features
@@ -392,8 +392,8 @@ def train(
 
     from spark_ops import available_task_slots
 
-    from .._iterate import _ray_address
-    from .._ray_util import connect
+    from .._runtime.iterate import _ray_address
+    from .._runtime.ray_util import connect
 
     n = parallelism or available_task_slots(df.sparkSession)
     if n < 1:

@@ -27,7 +27,7 @@ from coordinator import Emissions, RemoteFailure, RuntimeHooks, VariablesPayload
 from coordinator._tree import TreeSpec, precombine
 from coordinator._variables import fetch_all
 
-from ._errors import ConfigTypeError, DataValidationError, UsageError
+from .._errors import ConfigTypeError, DataValidationError, UsageError
 
 __all__ = ["PartitionCollector", "PartitionContext", "TaskPlan", "run_round", "run_subtask"]
 
@@ -129,7 +129,7 @@ _groups: dict[tuple[str, int, int], tuple[Any, Any]] = {}
 
 
 def _coordinator(plan: TaskPlan) -> Any:
-    from ._ray_util import connect
+    from .ray_util import connect
 
     connect(plan.ray_address, namespace=plan.namespace)
     key = (plan.ray_address, plan.actor_name)
@@ -375,7 +375,7 @@ class _Subtask:
         try:
             return "object", cloudpickle.dumps(op)
         except Exception as ex:
-            from ._errors import IterationConfigError
+            from .._errors import IterationConfigError
 
             raise IterationConfigError(
                 f"the partition operator {type(op).__name__} cannot be pickled for a "
@@ -470,7 +470,7 @@ class _Subtask:
 
 def _defines(op: Any, method: str) -> bool:
     """True when the operator's class overrides the base class's hook."""
-    from ._operators import PartitionOperator
+    from .._operators import PartitionOperator
 
     return getattr(type(op), method, None) is not getattr(PartitionOperator, method)
 

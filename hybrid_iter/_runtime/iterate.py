@@ -37,9 +37,9 @@ from coordinator import (
 )
 from spark_ops import BarrierStage, ReplayPlan, available_task_slots, num_partitions
 
-from ._body import IterationBody
-from ._config import IterationConfig, OperatorLifecycle
-from ._errors import (
+from .._body import IterationBody
+from .._config import IterationConfig, OperatorLifecycle
+from .._errors import (
     ConfigTypeError,
     DataValidationError,
     IterationConfigError,
@@ -47,15 +47,15 @@ from ._errors import (
     SessionError,
     VariablesMismatchError,
 )
-from ._placement import actor_class, kill, launch_held
-from ._progress import ProgressPrinter
-from ._ray_util import NAMESPACE
-from ._result import IterationResult
-from ._session import Session
-from ._shipping import dumps
-from ._streams import ReplayableDataStreamList, _is_dataframe
-from ._task import TaskPlan, run_round, run_subtask
-from ._tree import tree_spec
+from .._result import IterationResult
+from .._session import Session
+from .._streams import ReplayableDataStreamList, _is_dataframe
+from .placement import actor_class, kill, launch_held
+from .progress import ProgressPrinter
+from .ray_util import NAMESPACE
+from .shipping import dumps
+from .task import TaskPlan, run_round, run_subtask
+from .tree import tree_spec
 
 __all__ = ["iterate_bounded_streams_until_termination"]
 
@@ -262,7 +262,7 @@ def iterate_bounded_streams_until_termination(
     per_round = config.operator_lifecycle is OperatorLifecycle.PER_ROUND
     tree = tree_spec(body, config.staleness)  # feedback_combine: refused here if async
 
-    from ._ray_util import connect
+    from .ray_util import connect
 
     connect(address, namespace=NAMESPACE)
     checkpoint = _checkpoint_spec(config, body, streams, variables, n, _alive_nodes())

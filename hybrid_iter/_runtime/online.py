@@ -47,14 +47,14 @@ from coordinator import (
     normalize_variables,
 )
 
-from ._body import IterationBody
-from ._config import IterationConfig, OperatorLifecycle, _check_uri, _is_int
-from ._errors import CheckpointError, IterationConfigError, IterationFailedError
-from ._placement import actor_class, kill, launch
-from ._ray_util import NAMESPACE, connect
-from ._shipping import dumps
-from ._streams import ReplayableDataStreamList, _is_dataframe
-from ._task import PartitionCollector, PartitionContext, _coordinator, _resolve
+from .._body import IterationBody
+from .._config import IterationConfig, OperatorLifecycle, _check_uri, _is_int
+from .._errors import CheckpointError, IterationConfigError, IterationFailedError
+from .._streams import ReplayableDataStreamList, _is_dataframe
+from .placement import actor_class, kill, launch
+from .ray_util import NAMESPACE, connect
+from .shipping import dumps
+from .task import PartitionCollector, PartitionContext, _coordinator, _resolve
 
 __all__ = [
     "EPOCH_MAX",
@@ -883,7 +883,7 @@ def iterate_unbounded_streams(
             log.warning("the Parquet source %s is read by Spark (%s)", parquet[0], ex)
             parquet = None
 
-    from ._iterate import _fingerprint, _ray_address
+    from .iterate import _fingerprint, _ray_address
 
     address = _ray_address(spark)
     connect(address, namespace=NAMESPACE)
@@ -960,7 +960,7 @@ def iterate_unbounded_streams(
         batch_rows=int(spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch", "10000")),
     )
     buffer: deque = deque(maxlen=10_000)
-    from ._progress import ProgressPrinter
+    from .progress import ProgressPrinter
 
     printer = ProgressPrinter(cfg.progress, label=cfg.name or "online")
     lock = threading.Lock()

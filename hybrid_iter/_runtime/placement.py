@@ -31,7 +31,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ._errors import SessionError
+from .._errors import SessionError
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def check_resources(value: Any, where: str) -> dict[str, float]:
 
 
 def _configured() -> dict[str, float] | None:
-    from ._session import Session
+    from .._session import Session
 
     session = Session.current()
     if session is not None and session.coordinator_resources is not None:
@@ -169,7 +169,7 @@ class Launched:
 def launch(actor_cls: Any, name: str, *args: Any) -> Any:
     """Start one named actor of ``actor_class`` in hybrid_iter's namespace (tasks find it
     by name); returns its handle. For an actor Ray may restart use ``launch_held``."""
-    from ._ray_util import NAMESPACE
+    from .ray_util import NAMESPACE
 
     return actor_cls.options(name=name, namespace=NAMESPACE).remote(*args)
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from coordinator._tree import TreeSpec
 
-from ._errors import IterationConfigError
-from ._shipping import dumps
+from .._errors import IterationConfigError
+from .shipping import dumps
 
 __all__ = ["tree_spec"]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ._errors import IterationConfigError
+from .._errors import IterationConfigError
 
 __all__ = ["dumps"]
 
