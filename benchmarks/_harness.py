@@ -38,9 +38,6 @@ class Measured:
     def median(self) -> float:
         return statistics.median(self.seconds)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"median_s": self.median, "runs_s": self.seconds, "warmup": self.warmup}
-
 
 def measure(run: Callable[[], Any], repeats: int, warmup: int = 1) -> Measured:
     """Call ``run`` ``warmup`` times untimed, then ``repeats`` times timed."""

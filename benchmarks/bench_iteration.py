@@ -118,10 +118,11 @@ def spark_job_per_epoch(spark, partitions, epochs):
 
 
 def per_epoch(run, epochs):
-    """One run of an epoch loop: ``{"steady": median seconds of an epoch after the first
-    (the first holds loading and launching), "end_to_end": wall seconds / epochs}``."""
+    """One run of an epoch loop, ``run(epochs)``: ``{"steady": median seconds of an epoch
+    after the first (the first holds loading and launching), "end_to_end": wall seconds /
+    epochs}``."""
     t = time.perf_counter()
-    times, result = run()
+    times, result = run(epochs)
     wall = time.perf_counter() - t
     return {
         "steady": statistics.median(times[1:]),
@@ -199,19 +200,19 @@ def main() -> None:
         del pdf
 
         contenders = {
-            "numpy": (lambda e: lambda: numpy_loop(X, y, e), args.epochs),
-            "sync": (lambda e: lambda: ours_sync(df, cols, args.rows, e), args.epochs),
-            "empty": (lambda e: lambda: ours_empty(spark, args.partitions, e), args.empty_epochs),
-            "spark_job": (lambda e: lambda: spark_job_per_epoch(spark, args.partitions, e), 20),
+            "numpy": (lambda e: numpy_loop(X, y, e), args.epochs),
+            "sync": (lambda e: ours_sync(df, cols, args.rows, e), args.epochs),
+            "empty": (lambda e: ours_empty(spark, args.partitions, e), args.empty_epochs),
+            "spark_job": (lambda e: spark_job_per_epoch(spark, args.partitions, e), 20),
         }
         # every contender: one warm-up run (a short one), then the same repeats,
         # interleaved so that machine noise falls on all of them alike
-        for make, _ in contenders.values():
-            per_epoch(make(3), 3)
+        for run, _ in contenders.values():
+            per_epoch(run, 3)
         runs: dict[str, list[dict]] = {name: [] for name in contenders}
         for r in range(args.repeats):
-            for name, (make, epochs) in contenders.items():
-                runs[name].append(per_epoch(make(epochs), epochs))
+            for name, (run, epochs) in contenders.items():
+                runs[name].append(per_epoch(run, epochs))
             last = {k: v[-1] for k, v in runs.items()}
             print(
                 f"run {r + 1}/{args.repeats} (steady ms/epoch | end to end): numpy "

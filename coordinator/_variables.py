@@ -51,11 +51,11 @@ class OncePerVersion:
         return self._put is not None and nbytes > self.limit
 
     def ref(self, version: int, value: Any, nbytes: int) -> Any:
-        put = self._put
-        if put is None or nbytes <= self.limit:
+        if not self.would_put(nbytes):
             return None
         if self._version != version:
-            self._ref = put(value)
+            assert self._put is not None  # would_put says so
+            self._ref = self._put(value)
             self._version = version
             self.puts += 1
         return self._ref

@@ -86,6 +86,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cluster_env(**extra: str) -> dict[str, str]:
+    """The environment of a test cluster's nodes and driver: this process's, without its
+    own Ray, Spark and hybrid_iter settings; several raylets on loopback, token auth on,
+    tests/ and the repository importable; plus ``extra``."""
+    tests = Path(__file__).resolve().parent
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RAY_", "PYSPARK_", "SPARK_", "HYBRID_ITER_"))
+    }
+    env.update(
+        {
+            "RAY_USAGE_STATS_ENABLED": "0",
+            # Several raylets on one host, all on loopback (a pod would use its own IP).
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": secrets.token_hex(16),
+            "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)]),
+            **extra,
+        }
+    )
+    return env
+
+
 def tagged(tag: str) -> list[int]:
     """PIDs of live processes carrying ``tag`` in their environment (ours only)."""
     found = []

@@ -12,8 +12,6 @@ the fault-free run. The cluster is stopped by PID at the end.
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +19,7 @@ from typing import Any
 
 import pytest
 from coordinator_node_job import EPOCHS, KILL_AT, RESULT_PREFIX
-from k8s_ray_cluster import ClusterProcess
+from k8s_ray_cluster import ClusterProcess, cluster_env
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -33,22 +31,7 @@ pytestmark = pytest.mark.timeout(900)
 
 @pytest.fixture(scope="module")
 def run(spark) -> dict[str, Any]:  # the shared session first: it outlives this module
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RAY_", "PYSPARK_", "SPARK_", "HYBRID_ITER_"))
-    }
-    env.update(
-        {
-            "RAY_USAGE_STATS_ENABLED": "0",
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-            "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN": secrets.token_hex(16),
-            "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]),
-            "PYSPARK_PYTHON": sys.executable,
-            "SPARK_LOCAL_IP": "127.0.0.1",
-        }
-    )
+    env = cluster_env(PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
     head = {"ray_start_params": {"num-cpus": "0", "object-store-memory": str(100 * MiB)}}
     worker = {
         "ray_start_params": {

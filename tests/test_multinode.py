@@ -16,7 +16,6 @@ import ipaddress
 import json
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from k8s_ray_cluster import ClusterProcess, tagged
+from k8s_ray_cluster import ClusterProcess, cluster_env, tagged
 from multinode_job import EPOCHS
 
 TESTS = Path(__file__).resolve().parent
@@ -62,21 +61,7 @@ def _listening(pids: set[int]) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def run(spark) -> dict[str, Any]:  # the shared session first: it outlives this module
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RAY_", "PYSPARK_", "SPARK_", "HYBRID_ITER_"))
-    }
-    env.update(
-        {
-            "RAY_USAGE_STATS_ENABLED": "0",
-            # Several raylets on one host, all on loopback (a pod would use its own IP).
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-            "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN": secrets.token_hex(16),
-            "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]),
-        }
-    )
+    env = cluster_env()
     head = {
         "ray_start_params": {
             "num-cpus": "0",

@@ -16,9 +16,8 @@ from online_ops import Total
 from coordinator import CheckpointSpec, CoordinatorSpec, Emissions, OnlineCoordinator
 
 
-def pure_coordinator(staleness=0):
-    """No checkpoint and no Ray: the coordinator as a plain object."""
-    spec = CoordinatorSpec(
+def _spec(staleness, checkpoint=None):
+    return CoordinatorSpec(
         num_subtasks=1,
         num_streams=1,
         staleness=staleness,
@@ -26,20 +25,19 @@ def pure_coordinator(staleness=0):
         has_criteria=False,
         init_variables={"total": np.zeros(5)},
         operators=cloudpickle.dumps((Total(), None, [])),
+        checkpoint=checkpoint,
     )
-    return OnlineCoordinator(spec, put=None)
+
+
+def pure_coordinator(staleness=0):
+    """No checkpoint and no Ray: the coordinator as a plain object."""
+    return OnlineCoordinator(_spec(staleness), put=None)
 
 
 def make(tmp_path, staleness=0):
-    spec = CoordinatorSpec(
-        num_subtasks=1,
-        num_streams=1,
-        staleness=staleness,
-        max_epochs=None,
-        has_criteria=False,
-        init_variables={"total": np.zeros(5)},
-        operators=cloudpickle.dumps((Total(), None, [])),
-        checkpoint=CheckpointSpec(
+    spec = _spec(
+        staleness,
+        CheckpointSpec(
             uri=str(tmp_path / "hybrid_iter"), keep_last=2, fingerprint={"t": 1}, restore=True
         ),
     )
