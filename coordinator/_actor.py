@@ -313,13 +313,18 @@ class IterationCoordinator:
         emissions: Emissions,
         rows: Sequence[int] | None = None,
         attempt: int = 0,
+        offered: tuple[Any] | None = None,
     ) -> Reply:
-        """Subtask ``pid``'s call ``epoch``; returns when it may run that epoch (or stop)."""
+        """Subtask ``pid``'s call ``epoch``; returns when it may run that epoch (or stop).
+        ``offered``: ``(its checkpoint state,)`` sent with a call that a cut will hold
+        (sync mode), so the cut need not ask for it in a second round trip."""
         if self._tree is not None:
             self._tree.calls += 1
         got = self._accept(pid, epoch, known_version, emissions, rows, attempt)
         if isinstance(got, Reply):
             return got
+        if offered is not None:
+            self.cut.offer_state(pid, epoch, known_version, offered[0], self.sm.aligned)
         self._after_calls()
         return await got
 
@@ -785,29 +790,66 @@ class IterationCoordinator:
             ) from ex
 
     def _write_checkpoint(self) -> None:
-        import cloudpickle
-
         assert self._ckpt_store is not None and self.spec.checkpoint is not None
         cut = self.cut.take()
         epoch = cut.epoch
         calls = {pid: s.call for pid, s in cut.subtasks.items()}
-        main = self._main.alive()
         data = {
-            "fingerprint": dict(self.spec.checkpoint.fingerprint),
+            **self._checkpoint_common(),
             "epoch": epoch,
             "sm": self.sm.snapshot(calls),
+            "cut": cut.to_plain(),
+            "feedback_counts": [self._feedback_counts[p] for p in range(self.spec.num_subtasks)],
+            "rows": list(self._rows),
+            "alignment_times": list(self._alignment_times),
+        }
+        self._save_checkpoint(epoch, data, self._cut_started)
+
+    def _checkpoint_common(self) -> dict[str, Any]:
+        """What every checkpoint of a coordinator holds (bounded and online): the
+        fingerprint, the variables and their version, the coordinator operator's state,
+        the listeners, the last loss. ``_restore_common`` reads it back."""
+        import cloudpickle
+
+        assert self.spec.checkpoint is not None
+        main = self._main.alive()
+        return {
+            "fingerprint": dict(self.spec.checkpoint.fingerprint),
             "variables": self.store.values,
             "version": self.store.version,
             "publishes": self.store.publishes,
             "main": self._dump_operator(main) if main is not None else None,
             "listeners": cloudpickle.dumps(list(self._listeners)),
-            "cut": cut.to_plain(),
-            "feedback_counts": [self._feedback_counts[p] for p in range(self.spec.num_subtasks)],
-            "rows": list(self._rows),
-            "alignment_times": list(self._alignment_times),
             "last_loss": self._last_loss,
         }
-        self._save_checkpoint(epoch, data, self._cut_started)
+
+    def _check_fingerprint(self, data: Mapping[str, Any], what: str) -> None:
+        """Refuse a checkpoint file of another iteration (``ForeignCheckpoint``)."""
+        assert self._ckpt_store is not None and self.spec.checkpoint is not None
+        mismatch = fingerprint_mismatch(
+            data.get("fingerprint", {}), self.spec.checkpoint.fingerprint
+        )
+        if mismatch:
+            raise ForeignCheckpoint(f"{what} is of another iteration: {mismatch}")
+
+    def _restore_common(self, data: Mapping[str, Any], path: str) -> None:
+        """Take back what ``_checkpoint_common`` wrote (the fingerprint is checked)."""
+        import cloudpickle
+
+        self._check_fingerprint(data, f"checkpoint {path}")
+        self.store.restore(data["variables"], data["version"], data["publishes"])
+        if data["main"] is not None and self._main.template is not None:
+            kind, blob = data["main"]
+            if kind == "state":
+                self._main.open_all_round()
+                self._user_call(self._main.alive(), "restore_state", cloudpickle.loads(blob))
+            else:
+                self._main.adopt(cloudpickle.loads(blob))
+        elif self._main.alive() is None:
+            self._main.open_all_round()
+        self._listeners = cloudpickle.loads(data["listeners"])
+        self._last_loss = data["last_loss"]
+        self.restored_from = path
 
     def _save_checkpoint(self, epoch: int, data: dict[str, Any], started: float) -> None:
         """Write ``data`` with the outputs not yet saved; record the path and seconds."""
@@ -820,8 +862,6 @@ class IterationCoordinator:
 
     def _restore(self) -> bool:
         """Load the newest valid checkpoint; False when there is none."""
-        import cloudpickle
-
         assert self._ckpt_store is not None and self.spec.checkpoint is not None
         loaded = self._ckpt_store.load_latest()
         if loaded is None:
@@ -847,35 +887,20 @@ class IterationCoordinator:
                 f"lost ({'; '.join(f'{p}: {w}' for p, w in loaded.skipped) or 'none skipped'})"
             )
         data = loaded.data
-        mismatch = fingerprint_mismatch(
-            data.get("fingerprint", {}), self.spec.checkpoint.fingerprint
-        )
-        if mismatch:
-            raise ValueError(f"checkpoint {loaded.path} is of another iteration: {mismatch}")
+        self._restore_common(data, loaded.path)
         self.sm = EpochStateMachine.restore(
             data["sm"],
             staleness=self.spec.staleness,
             max_epochs=self.spec.max_epochs,
             has_criteria=self.spec.has_criteria,
         )
-        self.store.restore(data["variables"], data["version"], data["publishes"])
-        if data["main"] is not None and self._main.template is not None:
-            kind, blob = data["main"]
-            if kind == "state":
-                self._main.open_all_round()
-                self._user_call(self._main.alive(), "restore_state", cloudpickle.loads(blob))
-            else:
-                self._main.adopt(cloudpickle.loads(blob))
-        self._listeners = cloudpickle.loads(data["listeners"])
         self.cut.restore(Cut.from_plain(data["cut"]))
         self._feedback_counts = Counter(dict(enumerate(data["feedback_counts"])))
         self._rows = list(data["rows"])
         self._alignment_times = list(data["alignment_times"])
-        self._last_loss = data["last_loss"]
         self._outputs = list(self._ckpt_store.outputs_until(loaded.epoch))
         self.skipped_checkpoints += self._ckpt_store.skipped_outputs
         self._saved_outputs = len(self._outputs)
-        self.restored_from = loaded.path
         self._checkpointed = loaded.epoch
         return True
 

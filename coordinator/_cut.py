@@ -11,7 +11,9 @@ What it decides (DESIGN.md section 6):
   global alignment ``k`` and then applied in partition order, so a run is deterministic
   whatever order the calls arrived in.
 * **The cut**: at a checkpoint alignment every subtask is held in its pending call and
-  asked for its state; once every state is in, the cut is complete and holds, per
+  asked for its state (in sync mode a subtask that knows its call is a cut's, because
+  the cut epochs are fixed, may send its state with the call itself: one round trip
+  instead of two); once every state is in, the cut is complete and holds, per
   subtask, the call it was held in (it makes that call again after a restore), the
   variables version its operators had processed (a restored subtask reports *that*
   version, so the newer variables of its held call are handed to it again *after* its
@@ -91,6 +93,8 @@ class CutProtocol:
         self._buffered: dict[int, dict[int, Any]] = {}
         self._pending: int | None = None  # the alignment being cut
         self._states: dict[int, SubtaskCut] = {}
+        #: sync: states sent with a call ahead of its cut (by subtask)
+        self._offered: dict[int, SubtaskCut] = {}
         self._restored: dict[int, SubtaskCut] = {}
         self.restored_epoch: int | None = None
 
@@ -123,13 +127,34 @@ class CutProtocol:
 
     # -- the cut ---------------------------------------------------------------------------
 
+    def is_cut(self, k: int) -> bool:
+        """A cut starts at alignment ``k`` unless the iteration terminates there."""
+        return k >= 1 and bool(self.every_epochs) and k % self.every_epochs == 0
+
+    def offer_state(
+        self, pid: int, call: int, known_version: int, state: Any, aligned: int
+    ) -> None:
+        """Sync: subtask ``pid`` sent its state with ``call`` (a cut's call, made with
+        variables ``known_version``) so that the cut need not ask for it. Taken when
+        alignment ``call`` starts a cut; dropped otherwise (the iteration terminated
+        there, or the call was already aligned: a restored subtask making its held call
+        again)."""
+        if not self.sync or call <= aligned or not self.is_cut(call):
+            return
+        if not 0 <= pid < self.num_subtasks:
+            raise CutError(f"subtask id {pid} out of range [0, {self.num_subtasks})")
+        self._offered[pid] = SubtaskCut(call, known_version, state)
+
     def after_alignment(self, k: int, *, terminated: bool) -> bool:
-        """Alignment ``k`` completed: True when a cut starts here (subtasks are held)."""
+        """Alignment ``k`` completed: True when a cut starts here (subtasks are held;
+        the states offered with call ``k`` are in already)."""
+        offered = {p: s for p, s in self._offered.items() if s.call == k}
+        self._offered = {p: s for p, s in self._offered.items() if s.call > k}
         if terminated:
             self._pending, self._states = None, {}
             return False
-        if k >= 1 and self.every_epochs and k % self.every_epochs == 0:
-            self._pending, self._states = k, {}
+        if self.is_cut(k):
+            self._pending, self._states = k, offered
             return True
         return False
 
@@ -174,7 +199,7 @@ class CutProtocol:
         return cut
 
     def abandon(self) -> None:
-        self._pending, self._states = None, {}
+        self._pending, self._states, self._offered = None, {}, {}
 
     # -- the restore --------------------------------------------------------------------
 
@@ -188,7 +213,7 @@ class CutProtocol:
             )
         self._restored = dict(cut.subtasks)
         self._buffered = {k: dict(v) for k, v in cut.unapplied.items()}
-        self._pending, self._states = None, {}
+        self._pending, self._states, self._offered = None, {}, {}
         self.restored_epoch = cut.epoch
 
     def instruction(self, pid: int) -> SubtaskCut | None:

@@ -237,12 +237,8 @@ class OnlineCoordinator(IterationCoordinator):
                 delete_name(self._ckpt_store, name)
 
     def _persist(self) -> None:
-        import cloudpickle
-
-        assert self.spec.checkpoint is not None
-        main = self._main.alive()
         data = {
-            "fingerprint": dict(self.spec.checkpoint.fingerprint),
+            **self._checkpoint_common(),
             "online": True,
             "committed": self.committed,
             "round": self.round,
@@ -250,12 +246,6 @@ class OnlineCoordinator(IterationCoordinator):
             "rows": self.total_rows,
             "dead_letters": self.dead_letters,
             "dead_files": self.dead_files,
-            "variables": self.store.values,
-            "version": self.store.version,
-            "publishes": self.store.publishes,
-            "main": self._dump_operator(main) if main is not None else None,
-            "listeners": cloudpickle.dumps(list(self._listeners)),
-            "last_loss": self._last_loss,
             "last_outputs": self._last_outputs,
         }
         started = time.perf_counter()
@@ -304,7 +294,7 @@ class OnlineCoordinator(IterationCoordinator):
                 break
             try:
                 record = read_record(self._ckpt_store, _journal_name(b))
-                self._check_fingerprint(record, _journal_name(b))
+                self._check_fingerprint(record, f"{_journal_name(b)} in {self._ckpt_store.uri}")
             except (CheckpointCorrupt, OSError) as ex:
                 report["unusable"].append((b, str(ex)))
                 break
@@ -322,25 +312,11 @@ class OnlineCoordinator(IterationCoordinator):
         report["seconds"] = time.perf_counter() - started
         return True
 
-    def _check_fingerprint(self, data: dict[str, Any], what: str) -> None:
-        from ._checkpoint import fingerprint_mismatch
-
-        assert self._ckpt_store is not None and self.spec.checkpoint is not None
-        mismatch = fingerprint_mismatch(
-            data.get("fingerprint", {}), self.spec.checkpoint.fingerprint
-        )
-        if mismatch:
-            raise ForeignCheckpoint(
-                f"{what} in {self._ckpt_store.uri} is of another iteration: {mismatch}"
-            )
-
     def _restore_snapshot(self, loaded: Any) -> None:
-        import cloudpickle
-
         data = loaded.data
-        self._check_fingerprint(data, loaded.path)
         if not data.get("online"):
             raise ForeignCheckpoint(f"checkpoint {loaded.path} is of another iteration: not online")
+        self._restore_common(data, loaded.path)
         self.committed, self.round = data["committed"], data["round"]
         self.batches, self.total_rows, self.dead_letters = (
             data["batches"],
@@ -348,18 +324,5 @@ class OnlineCoordinator(IterationCoordinator):
             data["dead_letters"],
         )
         self.dead_files = data.get("dead_files", 0)
-        self.store.restore(data["variables"], data["version"], data["publishes"])
-        if data["main"] is not None and self._main.template is not None:
-            kind, blob = data["main"]
-            if kind == "state":
-                self._main.open_all_round()
-                self._user_call(self._main.alive(), "restore_state", cloudpickle.loads(blob))
-            else:
-                self._main.adopt(cloudpickle.loads(blob))
-        elif self._main.alive() is None:
-            self._main.open_all_round()
-        self._listeners = cloudpickle.loads(data["listeners"])
-        self._last_loss = data["last_loss"]
         self._last_outputs = data.get("last_outputs", (self.committed, []))
         self._outputs = []
-        self.restored_from = loaded.path

@@ -61,6 +61,9 @@ class TaskPlan:
     hooks: RuntimeHooks | None = None
     #: seconds a step of this subtask may make no progress (``IterationConfig``)
     call_timeout: float = 600.0
+    #: a checkpoint every this many epochs (0: none); in sync mode without a feedback
+    #: tree a subtask sends its state with the call a cut will hold (no second round trip)
+    checkpoint_every: int = 0
 
 
 class PartitionContext:
@@ -201,6 +204,7 @@ class _Subtask:
         self.where, self.user, self.op_name = "joining the Ray cluster", False, ""
         self.since = time.monotonic()  # when the current step began (the watchdog reads it)
         self._tree: tuple[Any, Any] | None = None  # (group actor or None, combiner)
+        self._restored_call = -1  # the held call a restored subtask makes again
         self._bind()
 
     # -- bookkeeping ------------------------------------------------------------------
@@ -294,8 +298,13 @@ class _Subtask:
             self.step("combining the feedback (feedback_combine)")
             em = precombine(em, combiner)
             target = group if group is not None else self.coord
+        offered = (self.checkpoint_state(),) if self._offers_state() else None
         reply = self.ask(
             target.report.remote(
+                self.pid, self.k, self.ctx.variables_version, em, rows, self.plan.attempt, offered
+            )
+            if offered is not None
+            else target.report.remote(
                 self.pid, self.k, self.ctx.variables_version, em, rows, self.plan.attempt
             )
         )
@@ -323,6 +332,20 @@ class _Subtask:
                 if reply.terminated:
                     self.ctx.epoch = last
         return bool(reply.terminated)
+
+    def _offers_state(self) -> bool:
+        """Call ``k`` is one a checkpoint's cut will hold (the cut epochs are fixed in
+        sync mode): its state goes with the call. Not a restored subtask's held call (it
+        was cut already) and not through a feedback group (which only forwards)."""
+        every, k = self.plan.checkpoint_every, self.k
+        return (
+            every > 0
+            and self.plan.staleness == 0
+            and self.plan.tree is None
+            and k >= 1
+            and k % every == 0
+            and k != self._restored_call
+        )
 
     # -- the protocol -----------------------------------------------------------------
 
@@ -355,7 +378,7 @@ class _Subtask:
 
                 self.step("loading the checkpointed state")
                 self.call(self.all_round, "restore_state", cloudpickle.loads(blob))
-            self.k = call
+            self.k = self._restored_call = call
             self.ctx.epoch = call - 1
             self.ctx.variables_version = known_version
         return self._report()
