@@ -66,7 +66,9 @@ class PartitionOperator(IterationListener):
     def snapshot_state(self) -> Any:
         """Optional: the operator's state as a picklable value. Used to carry an
         all-round operator from one round job to the next (replayed streams) and for
-        checkpoints; without it the whole operator object is pickled."""
+        checkpoints; without it the whole operator object is pickled. It must not change
+        the operator: in sync mode it is called before the call of every checkpoint
+        epoch, also when the iteration ends there and no checkpoint is written."""
         return None
 
     def restore_state(self, state: Any) -> None:
