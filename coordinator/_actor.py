@@ -179,11 +179,12 @@ class IterationCoordinator:
     """One iteration's coordinator. All public methods are called through Ray."""
 
     def __init__(self, spec: CoordinatorSpec, put: Callable[[Any], Any] | None = None) -> None:
+        get: Callable[[Any], Any] | None = None
         if put is None:
             try:
                 import ray
 
-                put = ray.put if ray.is_initialized() else None
+                put, get = (ray.put, _get_own) if ray.is_initialized() else (None, None)
             except ImportError:  # pragma: no cover - ray is a dependency
                 put = None
         self.spec = spec
@@ -193,7 +194,9 @@ class IterationCoordinator:
             max_epochs=spec.max_epochs,
             has_criteria=spec.has_criteria,
         )
-        self.store = VariablesStore(spec.init_variables, put=put, inline_limit=spec.inline_limit)
+        self.store = VariablesStore(
+            spec.init_variables, put=put, get=get, inline_limit=spec.inline_limit
+        )
         self.ctx = CoordinatorContext(self)
         self._out = CoordinatorCollector(self)
         self._listener_out = CoordinatorCollector(self, from_listener=True)
@@ -965,6 +968,24 @@ class IterationCoordinator:
             else:
                 keep.append((each, aligned, checkpointed, fut))
         self._progress_waiters = keep
+
+
+def _get_own(ref: Any) -> Any:
+    """``ray.get`` of an object this actor has just put (a published version): a local
+    read that does not block the event loop, so Ray's once-per-process warning about
+    blocking gets inside async actors stays for the user's code."""
+    import ray
+
+    try:
+        from ray._private import worker as ray_worker
+    except ImportError:  # pragma: no cover - a Ray without that module: plain get
+        return ray.get(ref)
+    warned = getattr(ray_worker, "blocking_get_inside_async_warned", True)
+    ray_worker.blocking_get_inside_async_warned = True
+    try:
+        return ray.get(ref)
+    finally:
+        ray_worker.blocking_get_inside_async_warned = warned
 
 
 class _UserCodeFailed(Exception):

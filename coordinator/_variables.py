@@ -4,7 +4,9 @@ Every ``publish`` makes a new immutable version: arrays are copied and marked re
 so a user operator that keeps updating its own array in place cannot change what was
 published. A version is materialised for the partition tier at most once: small
 versions travel inline in the reply, large ones are put into the object store once
-(``put``) and read zero-copy by every task on the node.
+(``put``) and read zero-copy by every task on the node. For a large version the put
+*is* the copy: the store keeps the object store's read-only views of it (``get``), so a
+published version is copied once, not once by ``publish`` and again by the put.
 """
 
 from __future__ import annotations
@@ -133,9 +135,11 @@ class VariablesStore:
         init: Mapping[str, np.ndarray],
         *,
         put: Callable[[Any], Any] | None = None,
+        get: Callable[[Any], Any] | None = None,
         inline_limit: int = INLINE_LIMIT,
     ) -> None:
         self._values = normalize_variables(init, what="init_variables")
+        self._get = get if put is not None else None
         self.specs = {n: VariableSpec(n, tuple(a.shape), a.dtype) for n, a in self._values.items()}
         self.version = 0
         self._refs = OncePerVersion(put, inline_limit)
@@ -179,11 +183,22 @@ class VariablesStore:
                     f"publish_variables({name}=...) has dtype {arr.dtype}, which does not "
                     f"cast safely to {spec.dtype} of init_variables[{name!r}]"
                 )
-            checked[name] = _frozen(arr.astype(spec.dtype, copy=False))
-        self._values.update(checked)
+            checked[name] = arr.astype(spec.dtype, copy=False)
+        values = {**self._values, **checked}
+        size = sum(a.nbytes for a in values.values())
         self.version += 1
         self.publishes += 1
         self._payload = None
+        if self._get is not None and self._refs.would_put(size):
+            # the put copies into the object store: keep its read-only views
+            ref = self._refs.ref(self.version, values, size)
+            self._values = dict(self._get(ref))
+            for arr in self._values.values():
+                if arr.flags.writeable:  # not from a shared-memory buffer: own it
+                    arr.flags.writeable = False
+            self._payload = VariablesPayload(self.version, None, ref)
+        else:
+            self._values = {n: _frozen(a) if n in checked else a for n, a in values.items()}
 
     def restore(self, values: Mapping[str, Any], version: int, publishes: int) -> None:
         """Take a checkpoint's version (the shapes were checked by its fingerprint)."""

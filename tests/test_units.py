@@ -73,6 +73,39 @@ def test_published_versions_are_immutable_snapshots():
     assert not snap.flags.writeable
 
 
+def test_a_large_version_is_copied_once_by_its_put_and_stays_immutable():
+    import pickle
+
+    puts, gets = [], []
+
+    def put(value):  # as Ray's put: the values are serialised (copied) at once
+        puts.append(pickle.dumps(value, protocol=5))
+        return len(puts) - 1
+
+    def get(ref):  # read-only views of the stored copy
+        gets.append(ref)
+        out = pickle.loads(puts[ref])
+        for arr in out.values():
+            arr.flags.writeable = False
+        return out
+
+    store = VariablesStore({"w": np.zeros(1000), "n": 0}, put=put, get=get, inline_limit=1_000)
+    w = np.ones(1000)
+    store.publish({"w": w})
+    assert (len(puts), gets) == (1, [0])  # put at the publish, read back once
+    w[:] = 7  # the operator keeps updating its own array in place
+    assert store.values["w"][0] == 1.0 and not np.shares_memory(store.values["w"], w)
+    assert not store.values["w"].flags.writeable and store.values["n"] == 0
+    payload = store.payload()
+    assert payload.ref == 0 and payload.inline is None and payload.version == 1
+    assert len(puts) == 1  # the payload is that put: no second copy
+    store.publish({"n": 3})
+    assert store.payload().ref == 1 and pickle.loads(puts[1])["w"][0] == 1.0
+    small = VariablesStore({"w": np.zeros(3)}, put=put, get=get, inline_limit=1_000)
+    small.publish({"w": np.ones(3)})
+    assert len(puts) == 2 and small.payload().inline["w"][0] == 1.0  # inline: copied
+
+
 def test_publish_validation():
     store = VariablesStore({"w": np.zeros(3), "n": 0})
     with pytest.raises(VariablesMismatchError, match=r"unknown variable 'x'.*\['n', 'w'\]"):
