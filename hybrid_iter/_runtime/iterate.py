@@ -298,6 +298,7 @@ def iterate_bounded_streams_until_termination(
         hooks=config.hooks,
         call_timeout=float(config.call_timeout),
         checkpoint_every=checkpoint.every_epochs if checkpoint is not None else 0,
+        max_epochs=config.max_epochs,
     )
     # Every subtask waits in one call at a time, plus the driver's progress poll: an
     # async actor answering more calls than max_concurrency at once would deadlock. With

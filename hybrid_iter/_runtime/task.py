@@ -64,6 +64,8 @@ class TaskPlan:
     #: a checkpoint every this many epochs (0: none); in sync mode without a feedback
     #: tree a subtask sends its state with the call a cut will hold (no second round trip)
     checkpoint_every: int = 0
+    #: the iteration ends at alignment ``max_epochs`` (no cut there); None: no limit
+    max_epochs: int | None = None
 
 
 class PartitionContext:
@@ -336,7 +338,8 @@ class _Subtask:
     def _offers_state(self) -> bool:
         """Call ``k`` is one a checkpoint's cut will hold (the cut epochs are fixed in
         sync mode): its state goes with the call. Not a restored subtask's held call (it
-        was cut already) and not through a feedback group (which only forwards)."""
+        was cut already), not the last alignment (the iteration ends there) and not
+        through a feedback group (which only forwards)."""
         every, k = self.plan.checkpoint_every, self.k
         return (
             every > 0
@@ -345,6 +348,7 @@ class _Subtask:
             and k >= 1
             and k % every == 0
             and k != self._restored_call
+            and (self.plan.max_epochs is None or k < self.plan.max_epochs)
         )
 
     # -- the protocol -----------------------------------------------------------------
