@@ -68,7 +68,8 @@ class PartitionOperator(IterationListener):
         all-round operator from one round job to the next (replayed streams) and for
         checkpoints; without it the whole operator object is pickled. It must not change
         the operator: in sync mode it is called before the call of every checkpoint
-        epoch, also when the iteration ends there and no checkpoint is written."""
+        epoch, also when termination criteria end the iteration there and no checkpoint
+        is written."""
         return None
 
     def restore_state(self, state: Any) -> None:
