@@ -327,13 +327,152 @@ def test_kmeans_is_deterministic_for_a_seed_and_costs_what_mllib_costs(spark, bl
     a.save(str(tmp_path / "km"))
     loaded = ml.KMeansModel.load(str(tmp_path / "km"))
     assert [row.prediction for row in loaded.transform(vec, features_col="v").collect()] == pred
+    assert loaded.training_cost == a.training_cost and loaded.iterations == a.summary.iterations
+    assert loaded.getK() == 4 and loaded.value("features_col") == ["a", "b", "c"]
+    assert isinstance(ml.Model.load(str(tmp_path / "km")), ml.KMeansModel)
+
+
+def test_kmeans_in_a_pipeline_and_pipeline_model_save_load(spark, blobs, tmp_path):
+    from pyspark.ml import Pipeline, PipelineModel
+    from pyspark.ml.feature import VectorAssembler
+
+    df, X = blobs
+    km = ml.KMeans(k=4, seed=3)
+    pipe = Pipeline(stages=[VectorAssembler(inputCols=["a", "b", "c"], outputCol="features"), km])
+    model = pipe.fit(df)
+    fitted = model.stages[-1]
+    assert isinstance(fitted, ml.KMeansModel) and fitted.uid == km.uid
+    assert fitted.getK() == 4 and fitted.getSeed() == 3 and fitted.summary.k == 4
+    assert (
+        fitted.summary.trainingCost
+        == fitted.training_cost
+        == pytest.approx(_cost(X, fitted.cluster_centers), rel=0.01)
+    )
+    assert fitted.summary.numIter == fitted.iterations == len(fitted.result.outputs["cost"])
+    assert np.array_equal(np.array(fitted.clusterCenters()), fitted.cluster_centers)
+    out = model.transform(df)
+    assert out.columns == [*df.columns, "features", "prediction"]
+    pred = [r.prediction for r in out.select("prediction").collect()]
+    assert pred == fitted.predict_numpy(X).tolist() and len(set(pred)) == 4
+
+    path = str(tmp_path / "pipeline")
+    model.write().overwrite().save(path)
+    loaded = PipelineModel.load(path)
+    stage = loaded.stages[-1]
+    assert isinstance(stage, ml.KMeansModel) and stage.uid == fitted.uid
+    assert np.array_equal(stage.cluster_centers, fitted.cluster_centers)
+    assert (
+        stage.getK() == 4
+        and stage.getMaxIter() == 20
+        and stage.training_cost == fitted.training_cost
+    )
+    assert not stage.has_summary and stage.result is None
+    again = loaded.transform(df)
+    assert again.columns == out.columns
+    assert [r.prediction for r in again.select("prediction").collect()] == pred
+    # one model in Spark's layout: KMeansModel.load and ml.Model.load read it too
+    fitted.write().save(str(tmp_path / "spark_km"))
+    for reader in (ml.KMeansModel, ml.Model):
+        m = reader.load(str(tmp_path / "spark_km"))
+        assert isinstance(m, ml.KMeansModel) and m.getSeed() == 3
+        assert np.array_equal(m.cluster_centers, fitted.cluster_centers)
+    with pytest.raises(ValueError, match="not a LogisticRegressionModel"):
+        ml.LogisticRegressionModel.load(str(tmp_path / "spark_km"))
+    # the unfitted pipeline round-trips too
+    pipe.write().overwrite().save(str(tmp_path / "estimator"))
+    est = Pipeline.load(str(tmp_path / "estimator")).getStages()[-1]
+    assert isinstance(est, ml.KMeans) and est.getK() == 4 and est.getSeed() == 3
+
+
+def test_kmeans_k_tuned_by_train_validation_split_as_mllib(spark, blobs):
+    """ParamGridBuilder over k, TrainValidationSplit, ClusteringEvaluator (silhouette):
+    on four separated blobs ours and MLlib's both pick k=4, with the same score."""
+    from pyspark.ml.clustering import KMeans as MLlibKMeans
+    from pyspark.ml.evaluation import ClusteringEvaluator
+    from pyspark.ml.feature import VectorAssembler
+    from pyspark.ml.tuning import ParamGridBuilder, TrainValidationSplit
+
+    df, _ = blobs
+    vec = VectorAssembler(inputCols=["a", "b", "c"], outputCol="features").transform(df)
+
+    def tune(est):
+        grid = ParamGridBuilder().addGrid(est.k, [2, 4]).build()
+        tvs = TrainValidationSplit(
+            estimator=est,
+            estimatorParamMaps=grid,
+            evaluator=ClusteringEvaluator(),
+            trainRatio=0.75,
+            seed=5,
+        )
+        fit = tvs.fit(vec)
+        return fit.bestModel, fit.validationMetrics
+
+    ours, ours_metrics = tune(ml.KMeans(seed=1))
+    ref, ref_metrics = tune(MLlibKMeans(seed=1))
+    assert isinstance(ours, ml.KMeansModel)
+    assert ours.getK() == ref.getK() == 4
+    assert ours_metrics[1] > ours_metrics[0]
+    assert ours_metrics[1] == pytest.approx(ref_metrics[1], rel=1e-6)
+
+
+def test_kmeans_keywords_in_both_spellings_copy_and_param_maps(spark, blobs):
+    df, X = blobs
+    cols = ["a", "b", "c"]
+    a = ml.KMeans(features_col=cols, max_iter=5, k=3, init_mode="random", seed=2)
+    b = ml.KMeans(featuresCol=cols, maxIter=5, k=3, initMode="random", seed=2)
+    assert a.max_iter == b.getMaxIter() == 5 and a.getK() == b.getOrDefault("k") == 3
+    assert a.init_mode == b.getInitMode() == "random"
+    ma, mb = a.fit(df), b.fit(df)
+    assert np.array_equal(ma.cluster_centers, mb.cluster_centers)
+    assert ma.training_cost == mb.training_cost and ma.value("max_iter") == mb.getMaxIter() == 5
+    assert ma.summary.iterations <= 5
+    with pytest.raises(hi.IterationConfigError, match="unknown parameter 'max_iters'"):
+        ml.KMeans(max_iters=3)
+    with pytest.raises(hi.IterationConfigError, match=r"KMeans\(init_mode=\.\.\.\)"):
+        a.setInitMode("kmeans++")
+    c = a.copy({a.k: 4})
+    assert c.getK() == 4 and a.getK() == 3 and c.uid == a.uid
+    # a param map skips the setters: fit checks the values again before any Spark job
+    with no_spark_job(spark), pytest.raises(hi.IterationConfigError, match=r"KMeans\(k=\.\.\.\)"):
+        a.fit(df, {a.k: 1})
+    m4 = a.fit(df, {a.k: 4})
+    assert m4.getK() == 4 and m4.cluster_centers.shape == (4, 3) and a.getK() == 3
+    assert m4.transform(df, {m4.predictionCol: "cluster"}).columns == [*df.columns, "cluster"]
+
+
+def test_kmeans_model_saved_before_it_was_a_stage_still_loads(tmp_path):
+    """The older KMeansModel.save kept training_cost and iterations among its params."""
+    from hybrid_iter.ml._persist import write_model
+
+    old = {
+        "features_col": ["a", "b"],
+        "prediction_col": "p",
+        "k": 2,
+        "max_iter": 20,
+        "tol": 1e-4,
+        "init_mode": "random",
+        "init_steps": 2,
+        "distance_measure": "euclidean",
+        "seed": 3,
+        "num_features": 2,
+        "training_cost": 1.5,
+        "iterations": 4,
+    }
+    C = np.array([[0.0, 0.0], [1.0, 1.0]])
+    write_model(str(tmp_path / "old"), "KMeansModel", old, {"centres": C})
+    for reader in (ml.Model, ml.KMeansModel):
+        m = reader.load(str(tmp_path / "old"))
+        assert isinstance(m, ml.KMeansModel) and np.array_equal(m.cluster_centers, C)
+        assert m.training_cost == 1.5 and m.iterations == 4 and not m.has_summary
+        assert m.getInitMode() == "random" and m.value("prediction_col") == "p"
+        assert m.predict_numpy(np.array([[0.9, 0.8], [0.1, 0.0]])).tolist() == [1, 0]
 
 
 def test_kmeans_init_gives_every_separated_cluster_a_centre():
     """The k-means|| candidates reduced to k centres (in the actor, pure numpy): plain
     weighted k-means++ spends a pick on a covered cluster in 8 of these 20 seeds; the
     greedy variant must cover all ten for every seed."""
-    from hybrid_iter.ml.kmeans import _local_kmeans, nearest_centres
+    from hybrid_iter.ml._kmeans import _local_kmeans, nearest_centres
 
     rng = np.random.default_rng(3)
     k, d = 10, 20

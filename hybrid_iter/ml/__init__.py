@@ -8,13 +8,18 @@
     model.summary                  # objective history, iterations, solver, converged
     model.save("s3://bucket/lr")   # pyarrow.fs; LogisticRegressionModel.load(path)
     Pipeline(stages=[VectorAssembler(...), LogisticRegression()])   # a pyspark.ml stage
+    KMeans(k=4, seed=1).fit(df).cluster_centers   # also a stage: Pipeline, ParamGridBuilder
 
 Each ``fit`` is one iteration (one Spark barrier stage; each task reads its partition
 once into numpy; the Ray coordinator actor holds the model and, for the default
-solvers, the L-BFGS / OWL-QN optimizer or the normal equations). Parameter names follow
-Spark MLlib in snake case (``features_col``, ``label_col``, ``max_iter``, ``tol``,
-``reg``, ``elastic_net``, ``standardization``, ``family``, ``solver``, ``k``, ``seed``,
-...); the linear models also take MLlib's own names (``maxIter``, ``regParam``, ...).
+solvers, the L-BFGS / OWL-QN optimizer or the normal equations). Every estimator and
+model (``LogisticRegression``, ``LinearRegression``, ``KMeans`` and their models) is a
+``pyspark.ml`` stage: ``Pipeline``, ``CrossValidator`` / ``TrainValidationSplit`` with
+``ParamGridBuilder``, ``copy(extra)``, ``fit(df, paramMap)``, ``PipelineModel.save`` /
+``load``. Parameters take a Python keyword, Spark MLlib's name in snake case
+(``features_col``, ``label_col``, ``max_iter``, ``tol``, ``reg``, ``elastic_net``,
+``standardization``, ``family``, ``solver``, ``k``, ``init_mode``, ``seed``, ...), or
+MLlib's own name (``featuresCol``, ``maxIter``, ``regParam``, ``initMode``, ...).
 Features come from a ``pyspark.ml.linalg`` vector column (dense or sparse), an array
 column, or a list of numeric columns. Bad parameters raise ``IterationConfigError``
 before any Spark job; bad data ``DataValidationError`` naming the column.
@@ -23,25 +28,28 @@ before any Spark job; bad data ``DataValidationError`` naming the column.
 from typing import Any
 
 from ._base import Model
-from .kmeans import KMeans, KMeansModel
 
-#: imported on first use: ``linear`` loads ``pyspark.ml``, which the Spark tasks and the
-#: Ray coordinator actor (which import ``hybrid_iter.ml._glm`` to run a fit) never need
-_LINEAR = (
-    "ConvergenceWarning",
-    "LinearRegression",
-    "LinearRegressionModel",
-    "LogisticRegression",
-    "LogisticRegressionModel",
-    "TrainingSummary",
-)
+#: imported on first use: the stages (``linear``, ``kmeans``) load ``pyspark.ml``, which
+#: the Spark tasks and the Ray coordinator actor (which import the operators,
+#: ``hybrid_iter.ml._glm`` / ``_sgd`` / ``_kmeans``, to run a fit) never need
+_LAZY = {
+    "ConvergenceWarning": "linear",
+    "KMeans": "kmeans",
+    "KMeansModel": "kmeans",
+    "KMeansSummary": "kmeans",
+    "LinearRegression": "linear",
+    "LinearRegressionModel": "linear",
+    "LogisticRegression": "linear",
+    "LogisticRegressionModel": "linear",
+    "TrainingSummary": "linear",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LINEAR:
-        from . import linear
+    if name in _LAZY:
+        import importlib
 
-        return getattr(linear, name)
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -49,6 +57,7 @@ __all__ = [
     "ConvergenceWarning",
     "KMeans",
     "KMeansModel",
+    "KMeansSummary",
     "LinearRegression",
     "LinearRegressionModel",
     "LogisticRegression",

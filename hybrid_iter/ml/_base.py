@@ -17,7 +17,7 @@ from .._result import IterationResult
 from .._runtime.iterate import iterate_bounded_streams_until_termination
 from .._streams import DataStream, ReplayableDataStreamList, _is_dataframe
 from ._features import FeaturePlan
-from ._persist import read_model, write_model
+from ._persist import read_model, spark_layout, write_model
 
 __all__ = [
     "MODES",
@@ -177,11 +177,13 @@ def run_iteration(
 class Model:
     """A fitted model: parameters and numpy arrays; ``save``/``load`` through pyarrow.fs.
 
+    ``Model.load(path)`` reads any model of ``hybrid_iter.ml`` by its class name. The
+    estimators' models (``pyspark.ml`` stages, ``_stages.StageModel``) register here.
     ``result`` is the training's ``IterationResult`` (losses, timings, ``plot()``); a
     loaded model has none.
     """
 
-    _registry: ClassVar[dict[str, type[Model]]] = {}
+    _registry: ClassVar[dict[str, type[Any]]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -204,16 +206,21 @@ class Model:
         )
 
     @classmethod
-    def load(cls, path: str) -> Model:
-        """Read a model saved by ``save`` (any model class when called on ``Model``)."""
-        name, params, arrays = read_model(path)
-        if name not in Model._registry:  # the linear models register when first imported
-            from . import linear  # noqa: F401
+    def load(cls, path: str) -> Any:
+        """Read a model saved by ``save``, or by ``write().save`` (Spark's layout, what a
+        ``PipelineModel`` writes; needs a SparkSession); any model class when called on
+        ``Model``."""
+        spark = spark_layout(path)
+        name, params, arrays = read_model(f"{path.rstrip('/')}/data" if spark else path)
+        if name not in Model._registry:  # the stages register when first imported
+            from . import kmeans, linear  # noqa: F401
 
         klass = Model._registry.get(name)
         if klass is None or (cls is not Model and not issubclass(klass, cls)):
             raise IterationConfigError(f"{path!r} holds a {name}, not a {cls.__name__}")
-        if hasattr(klass, "_from_saved"):  # a pyspark.ml stage (hybrid_iter.ml.linear)
+        if spark:
+            return klass.read().load(path)
+        if hasattr(klass, "_from_saved"):  # a pyspark.ml stage (_stages.StageModel)
             return klass._from_saved(params, arrays)
         return klass(params, arrays)
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from .._errors import IterationConfigError
 
-__all__ = ["read_model", "write_model"]
+__all__ = ["read_model", "spark_layout", "write_model"]
 
 FORMAT = "hybrid_iter.ml"
 FORMAT_VERSION = 1
@@ -83,6 +83,17 @@ def write_model(
     with fs.open_output_stream(meta_path) as f:
         f.write(json.dumps(meta, indent=2, sort_keys=True).encode())
     return root
+
+
+def spark_layout(path: str) -> bool:
+    """Whether ``path`` holds a model written by ``model.write().save(path)`` (Spark's
+    metadata, our format under ``path/data``) rather than by ``model.save(path)``."""
+    import pyarrow.fs as pafs
+
+    fs, root = _filesystem(path)
+    if fs.get_file_info(f"{root}/{_META}").type != pafs.FileType.NotFound:
+        return False
+    return fs.get_file_info(f"{root}/data/{_META}").type != pafs.FileType.NotFound
 
 
 def read_model(path: str) -> tuple[str, dict[str, Any], dict[str, np.ndarray]]:

@@ -10,10 +10,15 @@ pair, and -- where the keyword differs from the Spark name -- a read-only attrib
 or ``LogisticRegression(maxIter=50)``. Values are checked when set and again before a fit
 (a param map given to ``fit(df, params)`` bypasses the constructor).
 
+``StageEstimator`` and ``StageModel`` are the bases of every estimator and model
+(``linear``, ``kmeans``): keyword construction, ``fit(df)`` / ``fit(df, paramMap)`` /
+``copy(extra)`` (pyspark's), the fitted model with the estimator's values and uid, its
+arrays, summary and ``result``, and ``transform(df, params, features_col=...)``.
+
 Persistence: ``model.write().save(path)`` (what a ``PipelineModel`` calls) writes Spark's
 ``DefaultParamsWriter`` metadata and the arrays under ``path/data`` (``_persist``);
-``Model.load(path)`` reads that, or a directory written by ``model.save(path)`` (our own
-format, any ``pyarrow.fs`` URI, no Spark needed).
+``model.save(path)`` writes our own format (any ``pyarrow.fs`` URI, no Spark needed);
+``Model.load(path)`` and ``XModel.load(path)`` read both.
 """
 
 from __future__ import annotations
@@ -22,9 +27,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+from pyspark.ml import Estimator
+from pyspark.ml import Model as SparkModel
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.util import (
+    DefaultParamsReadable,
     DefaultParamsReader,
+    DefaultParamsWritable,
     DefaultParamsWriter,
     MLReadable,
     MLReader,
@@ -33,8 +43,21 @@ from pyspark.ml.util import (
 )
 
 from .._errors import IterationConfigError
+from ._base import Model, check_features_col, check_int, check_number, check_progress
 
-__all__ = ["ParamSpec", "StageModelReader", "StageModelWriter", "StageParams"]
+__all__ = [
+    "ParamSpec",
+    "StageEstimator",
+    "StageModel",
+    "StageModelReader",
+    "StageModelWriter",
+    "StageParams",
+    "choice_check",
+    "features_check",
+    "int_check",
+    "number_check",
+    "progress_check",
+]
 
 
 @dataclass(frozen=True)
@@ -47,6 +70,40 @@ class ParamSpec:
     default: Any
     doc: str
     check: Callable[[str, str, Any], Any] | None = None
+
+
+# -- checks for ParamSpec rows: ``check(owner, keyword, value)`` -----------------------------
+
+
+def int_check(minimum: int, optional: bool = False) -> Callable[[str, str, Any], None]:
+    """An int ``>= minimum`` (or None when ``optional``)."""
+    return lambda o, n, v: check_int(o, n, v, minimum=minimum, optional=optional)
+
+
+def number_check(**kw: Any) -> Callable[[str, str, Any], None]:
+    """A number in a range (``check_number``'s keywords)."""
+    return lambda o, n, v: check_number(o, n, v, **kw)
+
+
+def choice_check(*choices: Any) -> Callable[[str, str, Any], None]:
+    """One of ``choices``."""
+
+    def check(owner: str, name: str, value: Any) -> None:
+        if value not in choices:
+            raise IterationConfigError(
+                f"{owner}({name}=...) must be one of {', '.join(map(repr, choices))}, got {value!r}"
+            )
+
+    return check
+
+
+def features_check(owner: str, name: str, value: Any) -> None:
+    """A vector or array column's name, or a list of numeric columns' names."""
+    check_features_col(owner, value)
+
+
+def progress_check(owner: str, name: str, value: Any) -> None:
+    check_progress(owner, value)
 
 
 def _cap(name: str) -> str:
@@ -191,3 +248,121 @@ class StageModelIO(MLReadable, MLWritable):
     @classmethod
     def read(cls) -> MLReader:
         return StageModelReader(cls)
+
+
+class StageEstimator(StageParams, Estimator, DefaultParamsReadable, DefaultParamsWritable):
+    """An estimator: keyword construction (either spelling, checked), ``fit(df)`` and
+    ``fit(df, paramMap)`` (pyspark's ``Estimator.fit`` calls the subclass's ``_fit`` on a
+    ``copy(paramMap)``); ``_fit`` starts with ``check_params()``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self._init_params(kwargs)
+        self._check_cross()
+
+    def _check_cross(self) -> None:
+        """Checks across parameters (on creation and before each fit); none by default."""
+
+    def _model(self, model_cls: Any, arrays: dict[str, Any], result: Any, summary: Any) -> Any:
+        """The fitted model: the arrays, this estimator's values and uid (as MLlib)."""
+        model = model_cls._from_arrays(arrays, result=result, summary=summary)
+        self._copyValues(model)
+        return model._set_parent(self)
+
+    def __repr__(self) -> str:
+        given = ", ".join(
+            f"{s.snake}={self.getOrDefault(s.spark)!r}"
+            for s in self._all_specs().values()
+            if self.isSet(s.spark)
+        )
+        return f"{type(self).__name__}({given})"
+
+
+class StageModel(StageParams, SparkModel, StageModelIO):
+    """A fitted model: numpy arrays (``_arrays``, what is saved), the estimator's
+    parameters, the training's ``result`` (``IterationResult``) and ``summary`` (a
+    loaded model has neither); our ``save``/``load`` and Spark's ``write``/``read``.
+    Subclasses implement ``_transform(dataset, features_col)``; ``ml.Model.load(path)``
+    finds them by class name."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        Model._registry[cls.__name__] = cls
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self._init_params(kwargs)
+        self._arrays: dict[str, np.ndarray] = {}
+        self.result: Any = None
+        self._summary: Any = None
+
+    @classmethod
+    def _from_arrays(
+        cls, arrays: Mapping[str, np.ndarray], *, result: Any = None, summary: Any = None
+    ) -> Any:
+        model = cls()
+        model._arrays = {k: np.asarray(v, dtype=np.float64) for k, v in arrays.items()}
+        model.result = result
+        model._summary = summary
+        return model
+
+    @classmethod
+    def _from_saved(cls, params: dict[str, Any], arrays: dict[str, np.ndarray]) -> Any:
+        """A model from our own format (``save``): parameters by either name; names that
+        are not parameters (an older format's extras) are left out."""
+        model = cls._from_arrays(arrays)
+        known = model._all_specs()
+        snake = {s.snake for s in known.values()}
+        model._set_checked({k: v for k, v in params.items() if k in known or k in snake})
+        return model
+
+    def _set_parent(self, parent: Any) -> Any:
+        self._resetUid(parent.uid)
+        return self
+
+    @property
+    def summary(self) -> Any:
+        """The training summary (a loaded model has none)."""
+        if self._summary is None:
+            raise IterationConfigError(
+                f"this {type(self).__name__} has no training summary (it was loaded)"
+            )
+        return self._summary
+
+    @property
+    def has_summary(self) -> bool:
+        return self._summary is not None
+
+    hasSummary = has_summary
+
+    def save(self, path: str, *, overwrite: bool = False) -> str:  # type: ignore[override]
+        """Write the model to ``path`` (local or any pyarrow.fs URI) in our format;
+        ``model.write().save(path)`` writes Spark's (what a ``PipelineModel`` does).
+        ``load`` reads both."""
+        from ._persist import write_model
+
+        return write_model(
+            path, type(self).__name__, self.param_values(), self._arrays, overwrite=overwrite
+        )
+
+    @classmethod
+    def load(cls, path: str) -> Any:
+        """Read a model saved by ``save`` or by ``write().save`` (a ``PipelineModel``)."""
+        return Model.load.__func__(cls, path)  # type: ignore[attr-defined]
+
+    def transform(self, dataset: Any, params: Any = None, *, features_col: Any = None) -> Any:
+        """Add the output columns (Spark SQL expressions; every input column is kept).
+        ``features_col`` reads the features from other columns than at training."""
+        if params:
+            return self.copy(params).transform(dataset, features_col=features_col)
+        return self._transform(dataset, features_col)
+
+    def _transform(self, dataset: Any, features_col: Any = None) -> Any:
+        raise NotImplementedError  # each model's output columns
+
+    def _features(self, features_col: Any) -> Any:
+        return features_col if features_col is not None else self.value("features_col")
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}{tuple(v.shape)}" for k, v in self._arrays.items())
+        return f"{type(self).__name__}({shapes})"

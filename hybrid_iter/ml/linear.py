@@ -32,25 +32,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from pyspark.ml import Estimator
-from pyspark.ml import Model as SparkModel
-from pyspark.ml.util import DefaultParamsReadable, DefaultParamsWritable
 
 from coordinator import RuntimeHooks
 
 from .._body import IterationBody
 from .._errors import IterationConfigError
 from ._base import (
-    Model,
     check_bool,
     check_column,
     check_dataframe,
     check_features_col,
-    check_int,
     check_mode,
-    check_number,
     check_optional_column,
-    check_progress,
     run_iteration,
 )
 from ._features import ARRAY, COLUMNS, VECTOR, FeaturePlan, resolve_features
@@ -65,7 +58,17 @@ from ._glm import (
     _GLMTask,
 )
 from ._sgd import _LinearServer, _LinearTask, linear_gradient, logistic_terms
-from ._stages import ParamSpec, StageModelIO, StageParams
+from ._stages import (
+    ParamSpec,
+    StageEstimator,
+    StageModel,
+    StageParams,
+    choice_check,
+    features_check,
+    int_check,
+    number_check,
+    progress_check,
+)
 
 __all__ = [
     "ConvergenceWarning",
@@ -117,63 +120,41 @@ class TrainingSummary:
 # -- parameters -------------------------------------------------------------------------------
 
 
-def _c_int(minimum: int, optional: bool = False) -> Any:
-    return lambda o, n, v: check_int(o, n, v, minimum=minimum, optional=optional)
-
-
-def _c_num(**kw: Any) -> Any:
-    return lambda o, n, v: check_number(o, n, v, **kw)
-
-
-def _c_choice(*choices: Any) -> Any:
-    def check(owner: str, name: str, value: Any) -> None:
-        if value not in choices:
-            raise IterationConfigError(
-                f"{owner}({name}=...) must be one of {', '.join(map(repr, choices))}, got {value!r}"
-            )
-
-    return check
-
-
-def _c_features(owner: str, name: str, value: Any) -> None:
-    check_features_col(owner, value)
-
-
 def _c_mode(owner: str, name: str, value: Any) -> None:
     if value not in ("sync", "async", "ssp"):
         check_mode(owner, value, None)
 
 
 _COMMON = (
-    ParamSpec("features_col", "featuresCol", "features", "features: a vector column, an array column or a list of numeric columns", _c_features),
+    ParamSpec("features_col", "featuresCol", "features", "features: a vector column, an array column or a list of numeric columns", features_check),
     ParamSpec("label_col", "labelCol", "label", "label column name", check_column),
     ParamSpec("weight_col", "weightCol", None, "row weight column name (None: weight 1)", check_optional_column),
     ParamSpec("prediction_col", "predictionCol", "prediction", "prediction column name", check_column),
-    ParamSpec("max_iter", "maxIter", 100, "maximum number of iterations (sgd: epochs)", _c_int(1)),
-    ParamSpec("tol", "tol", 1e-6, "convergence tolerance: relative change of the objective (sgd: absolute loss)", _c_num(low=-math.inf)),
-    ParamSpec("reg", "regParam", 0.0, "regularization parameter (>= 0)", _c_num(low=0.0)),
-    ParamSpec("elastic_net", "elasticNetParam", 0.0, "ElasticNet mixing: 0 is L2, 1 is L1", _c_num(low=0.0, high=1.0)),
+    ParamSpec("max_iter", "maxIter", 100, "maximum number of iterations (sgd: epochs)", int_check(1)),
+    ParamSpec("tol", "tol", 1e-6, "convergence tolerance: relative change of the objective (sgd: absolute loss)", number_check(low=-math.inf)),
+    ParamSpec("reg", "regParam", 0.0, "regularization parameter (>= 0)", number_check(low=0.0)),
+    ParamSpec("elastic_net", "elasticNetParam", 0.0, "ElasticNet mixing: 0 is L2, 1 is L1", number_check(low=0.0, high=1.0)),
     ParamSpec("fit_intercept", "fitIntercept", True, "whether to fit an intercept", check_bool),
     ParamSpec("standardization", "standardization", True, "standardize the features internally (MLlib's meaning)", check_bool),
-    ParamSpec("learning_rate", "learningRate", 0.1, "solver='sgd': step size", _c_num(low=0.0, low_open=True)),
-    ParamSpec("global_batch_size", "globalBatchSize", None, "solver='sgd': rows per epoch (None: full batch)", _c_int(1, optional=True)),
+    ParamSpec("learning_rate", "learningRate", 0.1, "solver='sgd': step size", number_check(low=0.0, low_open=True)),
+    ParamSpec("global_batch_size", "globalBatchSize", None, "solver='sgd': rows per epoch (None: full batch)", int_check(1, optional=True)),
     ParamSpec("mode", "mode", "sync", "solver='sgd': 'sync', 'async' or 'ssp'", _c_mode),
-    ParamSpec("staleness", "staleness", None, "mode='ssp': bound on staleness", _c_int(0, optional=True)),
-    ParamSpec("seed", "seed", 0, "random seed (sgd mini-batches)", _c_int(0)),
-    ParamSpec("parallelism", "parallelism", None, "subtasks (None: the data's partitions)", _c_int(1, optional=True)),
-    ParamSpec("progress", "progress", None, "progress line (None: on a terminal)", lambda o, n, v: check_progress(o, v)),
+    ParamSpec("staleness", "staleness", None, "mode='ssp': bound on staleness", int_check(0, optional=True)),
+    ParamSpec("seed", "seed", 0, "random seed (sgd mini-batches)", int_check(0)),
+    ParamSpec("parallelism", "parallelism", None, "subtasks (None: the data's partitions)", int_check(1, optional=True)),
+    ParamSpec("progress", "progress", None, "progress line (None: on a terminal)", progress_check),
 )  # fmt: skip
 
 _CLASSIFIER = (
     ParamSpec("probability_col", "probabilityCol", "probability", "class probabilities column (None: none)", check_optional_column),
     ParamSpec("raw_prediction_col", "rawPredictionCol", "rawPrediction", "margins column (None: none)", check_optional_column),
-    ParamSpec("threshold", "threshold", 0.5, "binomial: predict 1 when P(1) > threshold", _c_num(low=0.0, high=1.0)),
-    ParamSpec("family", "family", "auto", "'auto', 'binomial' or 'multinomial'", _c_choice("auto", "binomial", "multinomial")),
-    ParamSpec("solver", "solver", "auto", "'auto' (L-BFGS / OWL-QN), 'l-bfgs' or 'sgd'", _c_choice("auto", "l-bfgs", "sgd")),
+    ParamSpec("threshold", "threshold", 0.5, "binomial: predict 1 when P(1) > threshold", number_check(low=0.0, high=1.0)),
+    ParamSpec("family", "family", "auto", "'auto', 'binomial' or 'multinomial'", choice_check("auto", "binomial", "multinomial")),
+    ParamSpec("solver", "solver", "auto", "'auto' (L-BFGS / OWL-QN), 'l-bfgs' or 'sgd'", choice_check("auto", "l-bfgs", "sgd")),
 )  # fmt: skip
 
 _REGRESSOR = (
-    ParamSpec("solver", "solver", "auto", "'auto', 'normal', 'l-bfgs' or 'sgd'", _c_choice("auto", "normal", "l-bfgs", "sgd")),
+    ParamSpec("solver", "solver", "auto", "'auto', 'normal', 'l-bfgs' or 'sgd'", choice_check("auto", "normal", "l-bfgs", "sgd")),
 )  # fmt: skip
 
 _SGD_ONLY = ("learning_rate", "global_batch_size")
@@ -397,12 +378,10 @@ def _fit_glm(
     return B, b, result, summary
 
 
-class _LinearEstimator(StageParams, Estimator, DefaultParamsReadable, DefaultParamsWritable):
-    """Shared by both estimators: keyword construction, ``fit(df)``."""
+class _LinearEstimator(StageEstimator):
+    """Shared by both estimators: the solvers."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__()
-        self._init_params(kwargs)
+    def _check_cross(self) -> None:
         _check_cross(self)
 
     def _output_columns(self) -> list[str | None]:
@@ -437,19 +416,6 @@ class _LinearEstimator(StageParams, Estimator, DefaultParamsReadable, DefaultPar
                 trace_weights=trace_weights,
             )
         return _fit_glm(self, dataset, plan, family=family)
-
-    def _model(self, model_cls: Any, arrays: dict[str, Any], result: Any, summary: Any) -> Any:
-        model = model_cls._from_arrays(arrays, result=result, summary=summary)
-        self._copyValues(model)
-        return model._set_parent(self)
-
-    def __repr__(self) -> str:
-        given = ", ".join(
-            f"{s.snake}={self.getOrDefault(s.spark)!r}"
-            for s in self._all_specs().values()
-            if self.isSet(s.spark)
-        )
-        return f"{type(self).__name__}({given})"
 
 
 class LogisticRegression(_LinearEstimator):
@@ -584,52 +550,8 @@ def _margins_udf(B: np.ndarray, b: np.ndarray, *, single: bool) -> Any:
     return pandas_udf(margin, "double" if single else "array<double>")  # type: ignore[call-overload]
 
 
-class _LinearModel(StageParams, SparkModel, StageModelIO):
-    """Shared by the models: arrays, summary, our ``save``/``load`` and Spark's."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__()
-        self._init_params(kwargs)
-        self._arrays: dict[str, np.ndarray] = {}
-        self.result: Any = None
-        self._summary: TrainingSummary | None = None
-
-    @classmethod
-    def _from_arrays(
-        cls, arrays: dict[str, np.ndarray], *, result: Any = None, summary: Any = None
-    ) -> Any:
-        model = cls()
-        model._arrays = {k: np.asarray(v, dtype=np.float64) for k, v in arrays.items()}
-        model.result = result
-        model._summary = summary
-        return model
-
-    @classmethod
-    def _from_saved(cls, params: dict[str, Any], arrays: dict[str, np.ndarray]) -> Any:
-        model = cls._from_arrays(arrays)
-        known = model._all_specs()
-        snake = {s.snake for s in known.values()}
-        model._set_checked({k: v for k, v in params.items() if k in known or k in snake})
-        return model
-
-    def _set_parent(self, parent: Any) -> Any:
-        self._resetUid(parent.uid)
-        return self
-
-    @property
-    def summary(self) -> TrainingSummary:
-        """The training summary (a loaded model has none)."""
-        if self._summary is None:
-            raise IterationConfigError(
-                f"this {type(self).__name__} has no training summary (it was loaded)"
-            )
-        return self._summary
-
-    @property
-    def has_summary(self) -> bool:
-        return self._summary is not None
-
-    hasSummary = has_summary
+class _LinearModel(StageModel):
+    """Shared by the models: coefficients, intercepts, the summary's loss history."""
 
     @property
     def loss_history(self) -> list[float]:
@@ -650,45 +572,6 @@ class _LinearModel(StageParams, SparkModel, StageModelIO):
         if "intercept_vector" in self._arrays:
             return self._arrays["intercept_vector"]
         return np.atleast_1d(self._arrays["intercept"])
-
-    def save(self, path: str, *, overwrite: bool = False) -> str:  # type: ignore[override]
-        """Write the model to ``path`` (local or any pyarrow.fs URI) in our format;
-        ``model.write().save(path)`` writes Spark's (what a ``PipelineModel`` does).
-        ``Model.load`` reads both."""
-        from ._persist import write_model
-
-        return write_model(
-            path, type(self).__name__, self.param_values(), self._arrays, overwrite=overwrite
-        )
-
-    @classmethod
-    def load(cls, path: str) -> Any:
-        """Read a model saved by ``save`` or by ``write().save`` (a ``PipelineModel``)."""
-        import pyarrow.fs as pafs
-
-        from ._persist import _filesystem
-
-        fs, root = _filesystem(path)
-        if fs.get_file_info(f"{root}/metadata.json").type != pafs.FileType.NotFound:
-            return Model.load.__func__(cls, path)  # type: ignore[attr-defined]
-        return cls.read().load(path)
-
-    def transform(self, dataset: Any, params: Any = None, *, features_col: Any = None) -> Any:
-        """Add the output columns (Spark SQL expressions; every input column is kept).
-        ``features_col`` reads the features from other columns than at training."""
-        if params:
-            return self.copy(params).transform(dataset, features_col=features_col)
-        return self._transform(dataset, features_col)
-
-    def _transform(self, dataset: Any, features_col: Any = None) -> Any:
-        raise NotImplementedError  # each model's output columns
-
-    def _features(self, features_col: Any) -> Any:
-        return features_col if features_col is not None else self.value("features_col")
-
-    def __repr__(self) -> str:
-        shapes = ", ".join(f"{k}{tuple(v.shape)}" for k, v in self._arrays.items())
-        return f"{type(self).__name__}({shapes})"
 
 
 class LogisticRegressionModel(_LinearModel):
@@ -818,8 +701,3 @@ class LinearRegressionModel(_LinearModel):
 
     def predict_numpy(self, X: np.ndarray) -> np.ndarray:
         return np.asarray(X, dtype=np.float64) @ self.coefficients + self.intercept
-
-
-# ``ml.Model.load(path)`` reads any model class by name
-Model._registry["LogisticRegressionModel"] = LogisticRegressionModel  # type: ignore[assignment]
-Model._registry["LinearRegressionModel"] = LinearRegressionModel  # type: ignore[assignment]
