@@ -25,6 +25,19 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _check_call_timeout(field: str, value: object) -> None:
+    """``call_timeout`` (of ``IterationConfig`` and ``OnlineConfig``): finite seconds > 0."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value < float("inf")
+    ):
+        raise IterationConfigError(
+            f"{field} must be a finite number of seconds > 0, got {value!r}; raise it for "
+            f"callbacks that legitimately take long"
+        )
+
+
 def _check_uri(field: str, uri: object) -> str:
     if not isinstance(uri, str) or not uri:
         raise IterationConfigError(f"{field} must be a path or a pyarrow.fs URI, got {uri!r}")
@@ -105,7 +118,8 @@ class IterationConfig:
     * ``call_timeout``: seconds a partition operator, a coordinator operator or a
       subtask step may make no progress before the run fails with
       ``IterationFailedError`` naming the partition or operator, the method and the
-      epoch (default 600; raise it for callbacks that legitimately take longer).
+      epoch (default 600; raise it for callbacks that legitimately take longer). An
+      online iteration takes it over (``OnlineConfig.call_timeout``).
     """
 
     staleness: int | None = 0
@@ -171,15 +185,7 @@ class IterationConfig:
                 f"IterationConfig.hooks must be None or a RuntimeHooks (e.g. "
                 f"hybrid_iter.testing.FaultInjection), got {type(self.hooks).__name__}"
             )
-        if (
-            isinstance(self.call_timeout, bool)
-            or not isinstance(self.call_timeout, (int, float))
-            or not 0 < self.call_timeout < float("inf")
-        ):
-            raise IterationConfigError(
-                f"IterationConfig.call_timeout must be a finite number of seconds > 0, got "
-                f"{self.call_timeout!r}; raise it for callbacks that legitimately take long"
-            )
+        _check_call_timeout("IterationConfig.call_timeout", self.call_timeout)
 
     @property
     def restarts(self) -> int:

@@ -32,6 +32,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,13 +49,26 @@ from coordinator import (
 )
 
 from .._body import IterationBody
-from .._config import IterationConfig, OperatorLifecycle, _check_uri, _is_int
+from .._config import (
+    IterationConfig,
+    OperatorLifecycle,
+    _check_call_timeout,
+    _check_uri,
+    _is_int,
+)
 from .._errors import CheckpointError, IterationConfigError, IterationFailedError
 from .._streams import ReplayableDataStreamList, _is_dataframe
 from .placement import actor_class, kill, launch
 from .ray_util import NAMESPACE, connect
 from .shipping import dumps
-from .task import PartitionCollector, PartitionContext, _coordinator, _resolve
+from .task import (
+    PartitionCollector,
+    PartitionContext,
+    _coordinator,
+    _guard,
+    _resolve,
+    _TaskSteps,
+)
 
 __all__ = [
     "EPOCH_MAX",
@@ -125,6 +139,15 @@ class OnlineConfig:
     * ``keep_last``: snapshots kept under the checkpoint location (>= 2).
     * ``hooks``: a ``RuntimeHooks`` the driver calls after each micro-batch it commits
       (tests pass the fault injections of ``hybrid_iter.testing``); None: no hooks.
+    * ``call_timeout``: seconds a partition operator's callback (or a step of a task,
+      such as reading the data) may make no progress before the iteration fails with
+      ``IterationFailedError`` (``CallTimeout``) naming the partition, the micro-batch
+      and the method; the driver cancels the micro-batch's Spark job (default 600; raise
+      it for callbacks that legitimately take longer).
+
+    A callback that raises fails the iteration too: ``await_termination()``,
+    ``exception()`` and ``stop()`` give an ``IterationFailedError`` naming the partition,
+    the micro-batch and the method, with the original traceback.
     """
 
     staleness: int | None = 0
@@ -143,6 +166,7 @@ class OnlineConfig:
     inline_variables_bytes: int = 64 * 1024
     name: str | None = None
     hooks: RuntimeHooks | None = None
+    call_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         if self.staleness not in (0, None):
@@ -192,6 +216,7 @@ class OnlineConfig:
                 f"OnlineConfig.hooks must be None or a RuntimeHooks (e.g. "
                 f"hybrid_iter.testing.FaultInjection), got {type(self.hooks).__name__}"
             )
+        _check_call_timeout("OnlineConfig.call_timeout", self.call_timeout)
 
     @classmethod
     def from_iteration_config(cls, config: IterationConfig) -> OnlineConfig:
@@ -219,6 +244,7 @@ class OnlineConfig:
             inline_variables_bytes=config.inline_variables_bytes,
             name=config.name,
             hooks=config.hooks,
+            call_timeout=config.call_timeout,
         )
 
 
@@ -278,6 +304,8 @@ class _OnlinePlan:
     arrow_schema: pa.Schema | None = None
     #: rows per Arrow batch handed to process_data when we read the files
     batch_rows: int = 10_000
+    #: seconds a step of a task may make no progress (``OnlineConfig.call_timeout``)
+    call_timeout: float = 600.0
 
 
 def _run_partition(
@@ -287,64 +315,102 @@ def _run_partition(
     batches: Iterator[pa.RecordBatch],
     bad_files: list[dict[str, Any]] | None = None,
 ) -> Iterator[pa.RecordBatch]:
-    """One micro-batch partition through a fresh partition operator (a Spark task)."""
-    import cloudpickle
-    import ray
+    """One micro-batch partition through a fresh partition operator (a Spark task).
+
+    Runs under the task guard the bounded subtasks use (``task._guard``): a callback
+    that raises is reported to the coordinator as a ``RemoteFailure`` naming the
+    partition, the callback and the micro-batch before Spark sees the task fail, and a
+    step without progress for ``call_timeout`` seconds is reported as ``CallTimeout``
+    (the driver then cancels the batch's job)."""
     from pyspark import TaskContext
 
     tc = TaskContext.get()
     pid = tc.partitionId() if tc is not None else 0
-    coord = _coordinator(plan)  # type: ignore[arg-type]
     ctx = PartitionContext(pid, -1, plan.staleness)
     ctx.epoch = round_
     ctx.batch_id = batch_id  # type: ignore[attr-defined]
     ctx.data_epoch = EPOCH_MAX  # type: ignore[attr-defined]
+    task = _TaskSteps(
+        pid,
+        ctx,
+        None,
+        call_timeout=plan.call_timeout,
+        config="OnlineConfig",
+        note=f" (micro-batch {batch_id})",
+    )
+    op: Any = None
+    try:
+        with _guard(task, lambda: _coordinator(plan)):  # type: ignore[arg-type]
+            op = _load_operator(task, plan.operator)
+            summary = _train_partition(plan, task, op, batch_id, round_, batches)
+    finally:
+        if op is not None:
+            try:
+                op.close()
+            except Exception:
+                pass  # close() must not hide the task's own outcome
+    summary["bad_files"] = list(bad_files or ())
+    yield pa.RecordBatch.from_pydict({"result": [pickle.dumps(summary)]})
+
+
+def _load_operator(task: _TaskSteps, blob: bytes) -> Any:
+    import cloudpickle
+
+    task.step("loading the partition operator")
+    return cloudpickle.loads(blob)
+
+
+def _train_partition(
+    plan: _OnlinePlan,
+    task: _TaskSteps,
+    op: Any,
+    batch_id: int,
+    round_: int,
+    batches: Iterator[pa.RecordBatch],
+) -> dict[str, Any]:
+    """The micro-batch partition's callbacks, each through ``task.call`` (so a failure
+    or a stall names it); returns the partition's summary for the driver."""
+    import ray
+
+    ctx, coord, pid = task.ctx, task.coord, task.pid
     out = PartitionCollector(False)
-    op = cloudpickle.loads(plan.operator)
     rows = 0
     dead: list[pa.RecordBatch] = []
-    try:
-        op.open(ctx)
-        payload = ray.get(coord.variables.remote(-1))
-        ctx.variables_version = payload.version
-        op.process_variables(_resolve(payload), ctx, out)
-        # async: one variables request in flight, taken when it has arrived (never a
-        # blocking round trip per Arrow batch)
-        pending = coord.variables.remote(ctx.variables_version) if plan.staleness is None else None
-        for batch in batches:
-            if plan.numeric_columns:
-                batch, bad = _split_malformed(batch, plan.numeric_columns)
-                if bad.num_rows:
-                    dead.append(bad)
-                if not batch.num_rows:
-                    continue
-            if pending is not None:
-                ready, _ = ray.wait([pending], timeout=0)
-                if ready:
-                    newer = ray.get(pending)
-                    if newer is not None:
-                        ctx.variables_version = newer.version
-                        op.process_variables(_resolve(newer), ctx, out)
-                    pending = coord.variables.remote(ctx.variables_version)
-            rows += batch.num_rows
-            op.process_data(0, batch, ctx, out)
-        if rows:
-            op.on_epoch_watermark_incremented(round_, ctx, out)
-        if dead and plan.dead_letter_path is not None:
-            _write_dead_letters(plan.dead_letter_path, batch_id, pid, dead)
-        ray.get(coord.online_report.remote(batch_id, pid, out._em))
-    finally:
-        try:
-            op.close()
-        except Exception:
-            pass  # close() must not hide the task's own outcome
-    summary = {
-        "partition": pid,
-        "rows": rows,
-        "dead": sum(b.num_rows for b in dead),
-        "bad_files": list(bad_files or ()),
-    }
-    yield pa.RecordBatch.from_pydict({"result": [pickle.dumps(summary)]})
+    task.call(op, "open", ctx)
+    payload = task.ask(coord.variables.remote(-1))
+    task.step("reading the variables")
+    ctx.variables_version = payload.version
+    task.call(op, "process_variables", _resolve(payload), ctx, out)
+    # async: one variables request in flight, taken when it has arrived (never a
+    # blocking round trip per Arrow batch)
+    pending = coord.variables.remote(ctx.variables_version) if plan.staleness is None else None
+    task.step("reading the data")
+    for batch in batches:
+        if plan.numeric_columns:
+            batch, bad = _split_malformed(batch, plan.numeric_columns)
+            if bad.num_rows:
+                dead.append(bad)
+            if not batch.num_rows:
+                continue
+        if pending is not None:
+            ready, _ = ray.wait([pending], timeout=0)
+            if ready:
+                newer = ray.get(pending)
+                if newer is not None:
+                    task.step("reading the variables")
+                    ctx.variables_version = newer.version
+                    task.call(op, "process_variables", _resolve(newer), ctx, out)
+                pending = coord.variables.remote(ctx.variables_version)
+        rows += batch.num_rows
+        task.call(op, "process_data", 0, batch, ctx, out)
+        task.step("reading the data")
+    if rows:
+        task.call(op, "on_epoch_watermark_incremented", round_, ctx, out)
+    if dead and plan.dead_letter_path is not None:
+        task.step("writing the malformed rows to the dead-letter path")
+        _write_dead_letters(plan.dead_letter_path, batch_id, pid, dead)
+    task.ask(coord.online_report.remote(batch_id, pid, out._em))
+    return {"partition": pid, "rows": rows, "dead": sum(b.num_rows for b in dead)}
 
 
 def _split_malformed(
@@ -608,6 +674,7 @@ class OnlineIteration:
         stopping: threading.Event,
         lost_batches: tuple[int, ...] = (),
         files_waiting: Callable[[], int | None] | None = None,
+        failed: list[IterationFailedError] | None = None,
     ) -> None:
         self.query = query
         self._actor = actor
@@ -617,6 +684,10 @@ class OnlineIteration:
         self._lock = lock
         self._stopping = stopping
         self._stopped = False
+        #: what a micro-batch raised (filled by the foreachBatch function), and whether
+        #: the user has been given it (by await_termination, exception or stop)
+        self._failed = failed if failed is not None else []
+        self._reported = False
         self._final: dict[str, Any] | None = None
         self.lost_batches = tuple(lost_batches)
         self._files_waiting = files_waiting
@@ -714,22 +785,47 @@ class OnlineIteration:
         return self._spark.readStream.schema(schema).json(self._config.output_path)
 
     def await_termination(self, timeout: float | None = None) -> bool:
-        """Wait for the query to end (``availableNow`` triggers end by themselves)."""
-        if timeout is None:
-            self.query.awaitTermination()
-            return True
-        return bool(self.query.awaitTermination(timeout))
+        """Wait for the query to end (``availableNow`` triggers end by themselves).
+        Raises ``IterationFailedError`` when a micro-batch failed (a callback raised or
+        made no progress for ``call_timeout``), else Spark's error if the query failed."""
+        try:
+            if timeout is None:
+                self.query.awaitTermination()
+                return True
+            return bool(self.query.awaitTermination(timeout))
+        except Exception:
+            failure = self._failure()
+            if failure is None:
+                raise
+            # its cause stays the RemoteFailure (partition, micro-batch, method)
+            raise failure from failure.__cause__
 
     def exception(self) -> Any:
+        """The error that ended the query, None if none: the ``IterationFailedError``
+        of a failed micro-batch, else Spark's ``StreamingQueryException``."""
         ex = self.query.exception()
-        if ex is not None and self._stopped and _STOPPING in str(ex):
+        if ex is None:
+            return None
+        failure = self._failure()
+        if failure is not None:
+            return failure
+        if self._stopped and _STOPPING in str(ex):
             return None  # a micro-batch refused to start because stop() was draining
         return ex
+
+    def _failure(self) -> IterationFailedError | None:
+        """The micro-batch failure, marked as given to the user."""
+        if not self._failed:
+            return None
+        self._reported = True
+        return self._failed[0]
 
     def stop(self) -> None:
         """Drain the micro-batch in progress (it commits, with its checkpoint), stop the
         query, then the coordinator. A micro-batch that would start meanwhile is refused
-        before it reads anything (Spark runs it again after a restart)."""
+        before it reads anything (Spark runs it again after a restart). Raises the
+        ``IterationFailedError`` of a failed micro-batch that neither
+        ``await_termination()`` nor ``exception()`` has given yet."""
         if self._stopped:
             return
         self._stopped = True
@@ -747,11 +843,18 @@ class OnlineIteration:
             kill(self._actor, "the online coordinator")
             if self._logger is not None:
                 self._logger.join(timeout=5)
+        if self._failed and not self._reported:
+            # the query ended with a failed micro-batch nobody asked about: say so
+            failure = self._failure()
+            assert failure is not None
+            raise failure
 
     def __enter__(self) -> OnlineIteration:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None:
+            self._reported = True  # an error is on its way out already: do not mask it
         self.stop()
 
 
@@ -958,6 +1061,7 @@ def iterate_unbounded_streams(
         dead_letter_path=dead_letter_path,
         arrow_schema=arrow_schema,
         batch_rows=int(spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch", "10000")),
+        call_timeout=float(cfg.call_timeout),
     )
     buffer: deque = deque(maxlen=10_000)
     from .progress import ProgressPrinter
@@ -965,6 +1069,9 @@ def iterate_unbounded_streams(
     printer = ProgressPrinter(cfg.progress, label=cfg.name or "online")
     lock = threading.Lock()
     stopping = threading.Event()
+    #: the IterationFailedError a micro-batch raised: Spark hands it to the user only as
+    #: text inside its StreamingQueryException, the handle raises the object itself
+    failed: list[IterationFailedError] = []
 
     def on_batch(batch_df: Any, batch_id: int) -> None:
         # never block on the lock while stop() drains: stop() holds it across query.stop(),
@@ -976,6 +1083,9 @@ def iterate_unbounded_streams(
             if stopping.is_set():
                 raise RuntimeError(_STOPPING)  # not run, not committed: replayed later
             _one_batch(batch_df, int(batch_id))
+        except IterationFailedError as ex:
+            failed.append(ex)
+            raise
         finally:
             lock.release()
 
@@ -999,15 +1109,17 @@ def iterate_unbounded_streams(
             return
         started = time.perf_counter()
         bad: list[dict[str, Any]] = []
-        if parquet is not None:
-            results = _run_files(batch_df, batch_id, bad)
-        else:
-            frame = batch_df
-            if cfg.parallelism is not None:
-                frame = frame.repartition(cfg.parallelism)
-            # one pass: the tasks split off malformed rows, train on the rest, and report
-            fn = _partial_run(plan, batch_id, where["round"])
-            results = [pickle.loads(r[0]) for r in frame.mapInArrow(fn, "result binary").collect()]
+        with _batch_jobs(spark.sparkContext, actor, batch_id, f"{name}.batch-{batch_id}"):
+            if parquet is not None:
+                results = _run_files(batch_df, batch_id, bad)
+            else:
+                frame = batch_df
+                if cfg.parallelism is not None:
+                    frame = frame.repartition(cfg.parallelism)
+                # one pass: the tasks split off malformed rows, train on the rest, and report
+                fn = _partial_run(plan, batch_id, where["round"])
+                rows_out = frame.mapInArrow(fn, "result binary").collect()
+                results = [pickle.loads(r[0]) for r in rows_out]
         rows = sum(r["rows"] for r in results)
         dead = sum(r["dead"] for r in results)
         for r in results:
@@ -1021,10 +1133,8 @@ def iterate_unbounded_streams(
                 _write_bad_files(dead_letter_path, batch_id, bad)
         commit = ray.get(actor.commit_batch.remote(batch_id, rows, dead, len(bad)))
         if commit["failure"] is not None:
-            failure = commit["failure"]
-            raise IterationFailedError(
-                f"the online iteration failed: {failure}", {failure.source: failure}
-            ) from failure
+            failures = ray.get(actor.online_state.remote())["failures"] or [commit["failure"]]
+            raise _batch_failed(batch_id, failures) from failures[0]
         if commit["applied"]:
             where["committed"], where["round"] = batch_id, commit["round"]
         _deliver(batch_id, commit["outputs"])
@@ -1097,8 +1207,97 @@ def iterate_unbounded_streams(
             return _files_newer_than(source_path, source_options, newest)
 
     return OnlineIteration(
-        query, actor, spark, cfg, buffer, lock, stopping, lost, files_waiting=files_waiting
+        query,
+        actor,
+        spark,
+        cfg,
+        buffer,
+        lock,
+        stopping,
+        lost,
+        files_waiting=files_waiting,
+        failed=failed,
     )
+
+
+def _batch_failed(batch_id: int, failures: list[Any]) -> IterationFailedError:
+    """The error of micro-batch ``batch_id`` from the failures the coordinator recorded
+    (the first is the cause; one per partition, or "coordinator")."""
+    by_source: dict[int | str, BaseException] = {}
+    for f in failures:
+        by_source.setdefault(f.source, f)
+    return IterationFailedError(
+        f"the online iteration failed in micro-batch {batch_id}: {failures[0]}", by_source
+    )
+
+
+def _recorded_failures(actor: Any) -> list[Any]:
+    """The failures the coordinator recorded ([] when it cannot say: it is gone)."""
+    import ray
+
+    try:
+        return list(ray.get(actor.online_state.remote(), timeout=30)["failures"])
+    except Exception:
+        return []
+
+
+#: the local properties ``SparkContext.setJobGroup`` sets on the calling thread
+_JOB_GROUP_KEYS = ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel")
+
+
+@contextmanager
+def _batch_jobs(sc: Any, actor: Any, batch_id: int, fallback_group: str) -> Iterator[None]:
+    """Run a micro-batch's Spark jobs (driver, in ``foreachBatch``), watched by a thread
+    that long-polls the coordinator and cancels the batch's job group as soon as a
+    failure is recorded, as the bounded path's monitor does: a task whose watchdog
+    reported a stuck callback never returns by itself. The group is the one Structured
+    Streaming runs the query's jobs in (its run id, interruptible: what ``query.stop()``
+    cancels), or ``fallback_group`` set here when the thread has none.
+
+    When a job fails and the coordinator holds a failure (a task reported the callback
+    that raised, or a ``CallTimeout``), raise ``IterationFailedError`` naming the
+    partition, the micro-batch and the method; without one (an executor died, ...),
+    Spark's own error goes on unchanged."""
+    import ray
+
+    group = sc.getLocalProperty("spark.jobGroup.id")
+    saved = None
+    if group is None:
+        saved = {key: sc.getLocalProperty(key) for key in _JOB_GROUP_KEYS}
+        group = fallback_group
+        sc.setJobGroup(group, f"hybrid_iter online micro-batch {batch_id}", interruptOnCancel=True)
+    done = threading.Event()
+
+    def wait() -> None:
+        while not done.is_set():
+            try:
+                # returns at a failure, at wake() (the batch ended) or after 5 s
+                p = ray.get(
+                    actor.wait_progress.remote(sys.maxsize, 5.0, False, sys.maxsize), timeout=60
+                )
+            except Exception:
+                return  # the coordinator is gone: the batch's commit says so
+            if p.failed and not done.is_set():
+                sc.cancelJobGroup(group)
+                return
+
+    threading.Thread(target=wait, name=f"hybrid_iter-batch-{batch_id}-watch", daemon=True).start()
+    try:
+        yield
+    except Exception:
+        failures = _recorded_failures(actor)
+        if not failures:
+            raise
+        raise _batch_failed(batch_id, failures) from failures[0]
+    finally:
+        done.set()
+        try:
+            actor.wake.remote()  # end the waiter's poll now
+        except Exception:
+            pass  # the coordinator is gone
+        if saved is not None:
+            for key, value in saved.items():
+                sc.setLocalProperty(key, value)
 
 
 def _partial_run(

@@ -16,7 +16,8 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,14 +187,112 @@ def _check_batch(plan: TaskPlan, stream: int, batch: pa.RecordBatch, pid: int) -
                 )
 
 
-class _Subtask:
+class _TaskSteps:
+    """Where one Spark task of an iteration is, for its watchdog and its failure report.
+
+    Shared by the bounded subtask (``_Subtask``) and the online micro-batch partition
+    (``online._run_partition``): every user callback goes through ``call`` and every
+    step of our own through ``step``/``ask``, so ``label()`` names what the task is doing
+    (``"Op.process_data"``, ``"reading the data"``) and ``since`` says since when. The
+    watchdog thread (``_watch``) reads them; ``_guard`` reports a failure with them.
+    ``note`` is appended to every label (online: ``" (micro-batch 3)"``); ``config``
+    names the configuration holding ``call_timeout`` in the watchdog's message.
+    """
+
+    def __init__(
+        self,
+        pid: int,
+        ctx: PartitionContext,
+        coord: Any,
+        *,
+        call_timeout: float,
+        attempt: int = 0,
+        config: str = "IterationConfig",
+        note: str = "",
+    ) -> None:
+        self.pid = pid
+        self.ctx = ctx
+        self.coord = coord
+        self.call_timeout = float(call_timeout)
+        self.attempt = attempt
+        self.config = config
+        self.note = note
+        self.where, self.user, self.op_name = "joining the Ray cluster", False, ""
+        self.since = time.monotonic()  # when the current step began (the watchdog reads it)
+
+    def call(self, op: Any, method: str, *args: Any) -> Any:
+        """Call user callback ``op.method(*args)``."""
+        self.where, self.user, self.op_name = method, True, type(op).__name__
+        self.since = time.monotonic()
+        return getattr(op, method)(*args)
+
+    def step(self, what: str) -> None:
+        """A step of our own begins (the watchdog times it like a callback)."""
+        self.where, self.user = what, False
+        self.since = time.monotonic()
+
+    def ask(self, remote: Any) -> Any:
+        """Wait for a coordinator call (not timed: the coordinator waits for others)."""
+        import ray
+
+        self.step("waiting for the coordinator")
+        return ray.get(remote)
+
+    def label(self) -> str:
+        return (f"{self.op_name}.{self.where}" if self.user else self.where) + self.note
+
+
+def _send_failure(task: _TaskSteps, failure: RemoteFailure) -> None:
+    """Give ``failure`` to the coordinator, waiting a bounded time for it to take it."""
+    if task.coord is None:
+        return
+    try:
+        import ray
+
+        ray.get(task.coord.fail.remote(failure, task.attempt), timeout=30)
+    except Exception:
+        pass  # the coordinator is gone; Spark's own failure still reaches the driver
+
+
+@contextmanager
+def _guard(task: _TaskSteps, connect: Callable[[], Any]) -> Iterator[_TaskSteps]:
+    """The body of a Spark task of an iteration, bounded and online alike: connect to
+    the coordinator (``connect()`` when ``task.coord`` is None), watch the task's steps
+    (``_watch``: a step without progress for ``call_timeout`` seconds fails the run),
+    and when the body raises, report it to the coordinator as a ``RemoteFailure`` naming
+    the partition, the epoch and ``task.label()`` (the callback that raised), then let
+    the exception go on to Spark. ``_Aborted`` (another participant failed first) is
+    not reported again."""
+    stop = threading.Event()
+    try:
+        if task.coord is None:
+            task.coord = connect()
+        _watch(task, stop)
+        yield task
+    except _Aborted:
+        raise
+    except Exception as ex:
+        _send_failure(
+            task,
+            RemoteFailure.capture(ex, source=task.pid, epoch=task.ctx.epoch, where=task.label()),
+        )
+        raise
+    finally:
+        stop.set()
+
+
+class _Subtask(_TaskSteps):
     """One subtask's operators, context and protocol state."""
 
     def __init__(self, plan: TaskPlan, pid: int, coord: Any) -> None:
+        super().__init__(
+            pid,
+            PartitionContext(pid, plan.num_subtasks, plan.staleness),
+            coord,
+            call_timeout=plan.call_timeout,
+            attempt=plan.attempt,
+        )
         self.plan = plan
-        self.pid = pid
-        self.coord = coord
-        self.ctx = PartitionContext(pid, plan.num_subtasks, plan.staleness)
         self.em = Emissions()
         self.out = PartitionCollector(plan.has_criteria)
         self.round_out = PartitionCollector(plan.has_criteria, per_round=True)
@@ -203,8 +302,6 @@ class _Subtask:
         self.rows = [0] * len(plan.numeric_columns)
         self.k = 0  # the next call to make
         self.last: Any = None  # the last reply
-        self.where, self.user, self.op_name = "joining the Ray cluster", False, ""
-        self.since = time.monotonic()  # when the current step began (the watchdog reads it)
         self._tree: tuple[Any, Any] | None = None  # (group actor or None, combiner)
         self._restored_call = -1  # the held call a restored subtask makes again
         self._bind()
@@ -219,24 +316,6 @@ class _Subtask:
         em, self.em = self.em, Emissions()
         self._bind()
         return em
-
-    def call(self, op: Any, method: str, *args: Any) -> Any:
-        self.where, self.user, self.op_name = method, True, type(op).__name__
-        self.since = time.monotonic()
-        return getattr(op, method)(*args)
-
-    def step(self, what: str) -> None:
-        self.where, self.user = what, False
-        self.since = time.monotonic()
-
-    def ask(self, remote: Any) -> Any:
-        import ray
-
-        self.step("waiting for the coordinator")
-        return ray.get(remote)
-
-    def label(self) -> str:
-        return f"{self.op_name}.{self.where}" if self.user else self.where
 
     def _load(self, blob: bytes) -> Any:
         import cloudpickle
@@ -503,70 +582,55 @@ def _defines(op: Any, method: str) -> bool:
 
 
 def _guarded(plan: TaskPlan, pid: int, body: Any) -> bytes:
-    """Run ``body(subtask)``; report a failure of this subtask to the coordinator."""
-    import ray
-
+    """Run ``body(subtask)`` under ``_guard``: a failure of this subtask reaches the
+    coordinator (which fails the run) before Spark's."""
     sub = _Subtask(plan, pid, None)
     aborted = False
-    stop = threading.Event()
     try:
-        sub.coord = _coordinator(plan)
-        _watch(sub, stop)
-        body(sub)
+        with _guard(sub, lambda: _coordinator(plan)):
+            body(sub)
     except _Aborted:
         # Another participant failed and the coordinator holds its error for the driver;
         # this subtask ends quietly instead of adding a second, misleading traceback.
         aborted = True
-    except Exception as ex:
-        failure = RemoteFailure.capture(ex, source=pid, epoch=sub.ctx.epoch, where=sub.label())
-        if sub.coord is not None:
-            try:
-                ray.get(sub.coord.fail.remote(failure, plan.attempt), timeout=30)
-            except Exception:
-                pass  # the coordinator is gone; Spark's own failure still reaches the driver
+        sub.close()
+    except Exception:
         sub.close()
         raise
-    finally:
-        stop.set()
-    if aborted:
-        sub.close()
     summary = {"partition_id": pid, "epochs": sub.k - 1, "rows": sub.rows, "aborted": aborted}
     return pickle.dumps(summary)
 
 
-def _watch(sub: _Subtask, stop: threading.Event) -> None:
-    """A daemon thread of the Spark task: when a step of the subtask (a user callback,
+def _watch(task: _TaskSteps, stop: threading.Event) -> None:
+    """A daemon thread of the Spark task: when a step of the task (a user callback,
     reading the data, ...; not waiting for the coordinator, which is waiting for the
     others) makes no progress for ``call_timeout`` seconds, tell the coordinator, which
-    fails the run; the driver then cancels the stage (that ends the stuck Python worker)."""
-    timeout = sub.plan.call_timeout
+    fails the run; the driver then cancels the Spark job (that ends the stuck Python
+    worker)."""
+    timeout = task.call_timeout
     tick = min(1.0, timeout / 10)
 
     def run() -> None:
         while not stop.wait(tick):
-            where, since = sub.where, sub.since
+            where, since = task.where, task.since
             stuck = time.monotonic() - since
             if where == "waiting for the coordinator" or stuck < timeout:
                 continue
+            label = task.label()
             failure = RemoteFailure(
-                sub.pid,
-                sub.ctx.epoch,
-                sub.label(),
+                task.pid,
+                task.ctx.epoch,
+                label,
                 "CallTimeout",
-                f"partition {sub.pid} made no progress for {stuck:.0f} s in {sub.label()} at "
-                f"epoch {sub.ctx.epoch} (IterationConfig(call_timeout={timeout:g})): a callback "
-                f"that blocks, or one that needs a larger call_timeout",
+                f"partition {task.pid} made no progress for {stuck:.0f} s in {label} at "
+                f"epoch {task.ctx.epoch} ({task.config}(call_timeout={timeout:g})): a "
+                f"callback that blocks, or one that needs a larger call_timeout",
                 "",
             )
-            try:
-                import ray
-
-                ray.get(sub.coord.fail.remote(failure, sub.plan.attempt), timeout=30)
-            except Exception:
-                pass  # the coordinator is gone: the stage fails anyway
+            _send_failure(task, failure)  # the coordinator gone: the job fails anyway
             return
 
-    threading.Thread(target=run, name=f"hybrid_iter-watch-{sub.pid}", daemon=True).start()
+    threading.Thread(target=run, name=f"hybrid_iter-watch-{task.pid}", daemon=True).start()
 
 
 def run_subtask(plan: TaskPlan, pid: int, inputs: Iterator[tuple[int, pa.RecordBatch]]) -> bytes:
