@@ -139,3 +139,33 @@ def test_statistics_merge_equals_numpy_and_the_start_gradient_equals_a_pass():
     G, gb, full_loss = problem.split(packed)
     assert loss == pytest.approx(full_loss, rel=1e-12)
     np.testing.assert_allclose(grad, np.concatenate([G.ravel(), gb]), rtol=1e-6, atol=1e-12)
+
+
+def test_the_fits_combiners_merge_in_a_tree_as_the_flat_merge_does():
+    """GLMCombiner / SGDCombiner (the estimators' feedback_combine): statistics merged
+    pairwise, left to right as the tree folds them, equal the flat merge; partitions
+    without rows are skipped; gradients add up, the epoch start is the earliest."""
+    from coordinator._tree import fold
+    from hybrid_iter.ml._glm import GLMCombiner
+    from hybrid_iter.ml._sgd import SGDCombiner
+
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal((700, 4)) * [1e-3, 1.0, 1e3, 1e5] + [3.0, -2.0, 1e4, 5e6]
+    y = X @ [2.0, -1.0, 1e-3, 1e-6] + rng.standard_normal(700)
+    cuts = [slice(0, 0), slice(0, 150), slice(150, 151), slice(151, 151), slice(151, 700)]
+    for family, gram in (("gaussian", True), ("binomial", False)):
+        label = y if family == "gaussian" else (y > y.mean()).astype(float)
+        parts = [partition_stats(X[s], label[s], None, family=family, gram=gram) for s in cuts]
+        flat = merge_stats(parts)
+        tree = merge_stats([fold(parts, GLMCombiner())])
+        assert tree.keys() == flat.keys() and tree["n"] == flat["n"] == 700
+        for key in flat:
+            np.testing.assert_allclose(
+                tree[key], flat[key], rtol=1e-9, atol=1e-9 * abs(np.max(np.abs(flat[key])))
+            )
+    empty = partition_stats(X[:0], y[:0], None, family="gaussian", gram=False)
+    with pytest.raises(Exception, match="no rows"):
+        merge_stats([fold([empty, empty], GLMCombiner())])
+    a, b = np.array([1.0, 2.0, 3.0, 50.0]), np.array([0.5, 0.5, 1.0, 40.0])
+    np.testing.assert_array_equal(SGDCombiner().merge(a, b), [1.5, 2.5, 4.0, 40.0])
+    np.testing.assert_array_equal(GLMCombiner().merge(a, b), a + b)

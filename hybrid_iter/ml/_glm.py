@@ -541,6 +541,24 @@ class _GLMTask(PartitionOperator):
             out.feedback(multinomial_gradient(X, y, B, b, sw))
 
 
+class GLMCombiner:
+    """``feedback_combine`` of the GLM fits: the partitions' statistics (epoch 0) merge
+    as ``merge_stats`` merges them, the packed gradients add up; so with many subtasks
+    the coordinator receives at most ``fan_in`` values per epoch (``coordinator._tree``)."""
+
+    def merge(self, a: Any, b: Any) -> Any:
+        if isinstance(a, dict):
+            if a["W"] <= 0:
+                return b
+            if b["W"] <= 0:
+                return a
+            return merge_stats([a, b])
+        return a + b
+
+    def __repr__(self) -> str:
+        return "GLMCombiner()"
+
+
 # -- Ray coordinator actor ----------------------------------------------------------------
 
 
@@ -560,7 +578,9 @@ class _GLMServer(CoordinatorOperator):
         self.reported = 0
 
     def process_feedback(self, value: Any, ctx: Any, out: Any) -> None:
-        self.parts[int(ctx.source_partition)] = value
+        # one value per partition, or (GLMCombiner) their merge (source_partition None)
+        source = ctx.source_partition
+        self.parts[-1 if source is None else int(source)] = value
 
     def _report(self, history: list[float], out: Any) -> None:
         for v in history[self.reported :]:

@@ -180,6 +180,19 @@ class _LinearTask(PartitionOperator):
 # -- Ray coordinator actor ----------------------------------------------------------------
 
 
+class SGDCombiner:
+    """``feedback_combine`` of sync gradient descent: the packed gradients, losses and
+    row counts add up; the last slot (when the epoch started) is the earliest."""
+
+    def merge(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        out = a + b
+        out[-1] = min(a[-1], b[-1])
+        return out
+
+    def __repr__(self) -> str:
+        return "SGDCombiner()"
+
+
 class _LinearServer(CoordinatorOperator):
     """Runs in the Ray coordinator actor: the weights and the gradient steps."""
 

@@ -54,10 +54,11 @@ from ._glm import (
     MULTINOMIAL,
     NORMAL_MAX_FEATURES,
     FitSpec,
+    GLMCombiner,
     _GLMServer,
     _GLMTask,
 )
-from ._sgd import _LinearServer, _LinearTask, linear_gradient, logistic_terms
+from ._sgd import SGDCombiner, _LinearServer, _LinearTask, linear_gradient, logistic_terms
 from ._stages import (
     ParamSpec,
     StageEstimator,
@@ -239,6 +240,9 @@ def _fit_sgd(
             full_batch=gbs is None,
         ),
         criteria=True,
+        # sync: the subtasks' gradients merge in a tree (at most fan_in values reach the
+        # coordinator per epoch); async / SSP apply each partition's gradient as it comes
+        feedback_combine=SGDCombiner() if staleness == 0 else None,
     )
     t = time.perf_counter()
     result = run_iteration(
@@ -334,6 +338,7 @@ def _fit_glm(
         partition=_GLMTask(plan, family, gram=solver == "normal"),
         coordinator=_GLMServer(spec),
         criteria=True,
+        feedback_combine=GLMCombiner(),
     )
     rows = max(classes, 2) if multinomial else 1
     init = {"phase": 0, "coef": np.zeros((rows, plan.dim)), "intercept": np.zeros(rows)}
