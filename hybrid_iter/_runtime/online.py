@@ -1072,6 +1072,7 @@ def iterate_unbounded_streams(
     #: the IterationFailedError a micro-batch raised: Spark hands it to the user only as
     #: text inside its StreamingQueryException, the handle raises the object itself
     failed: list[IterationFailedError] = []
+    watch = _FailureWatch(spark.sparkContext, actor, name)
 
     def on_batch(batch_df: Any, batch_id: int) -> None:
         # never block on the lock while stop() drains: stop() holds it across query.stop(),
@@ -1109,7 +1110,7 @@ def iterate_unbounded_streams(
             return
         started = time.perf_counter()
         bad: list[dict[str, Any]] = []
-        with _batch_jobs(spark.sparkContext, actor, batch_id, f"{name}.batch-{batch_id}"):
+        with watch.batch(batch_id, f"{name}.batch-{batch_id}"):
             if parquet is not None:
                 results = _run_files(batch_df, batch_id, bad)
             else:
@@ -1245,59 +1246,82 @@ def _recorded_failures(actor: Any) -> list[Any]:
 _JOB_GROUP_KEYS = ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel")
 
 
-@contextmanager
-def _batch_jobs(sc: Any, actor: Any, batch_id: int, fallback_group: str) -> Iterator[None]:
-    """Run a micro-batch's Spark jobs (driver, in ``foreachBatch``), watched by a thread
-    that long-polls the coordinator and cancels the batch's job group as soon as a
-    failure is recorded, as the bounded path's monitor does: a task whose watchdog
-    reported a stuck callback never returns by itself. The group is the one Structured
-    Streaming runs the query's jobs in (its run id, interruptible: what ``query.stop()``
-    cancels), or ``fallback_group`` set here when the thread has none.
+class _FailureWatch:
+    """The driver's watch over an online iteration's micro-batches: one daemon thread
+    per iteration long-polls the coordinator (one call per 5 s, off every batch's path)
+    and, as soon as a failure is recorded (a callback raised, or a task's watchdog
+    reported a stuck one), cancels the job group of the micro-batch in progress, as the
+    bounded path's monitor does: a task stuck in a callback never returns by itself.
+    ``batch`` runs one micro-batch's Spark jobs under it."""
 
-    When a job fails and the coordinator holds a failure (a task reported the callback
-    that raised, or a ``CallTimeout``), raise ``IterationFailedError`` naming the
-    partition, the micro-batch and the method; without one (an executor died, ...),
-    Spark's own error goes on unchanged."""
-    import ray
+    def __init__(self, sc: Any, actor: Any, name: str) -> None:
+        self._sc, self._actor = sc, actor
+        self._lock = threading.Lock()
+        self._group: str | None = None
+        self._failed = False
+        self._thread = threading.Thread(target=self._run, name=f"{name}-watch", daemon=True)
+        self._thread.start()
 
-    group = sc.getLocalProperty("spark.jobGroup.id")
-    saved = None
-    if group is None:
-        saved = {key: sc.getLocalProperty(key) for key in _JOB_GROUP_KEYS}
-        group = fallback_group
-        sc.setJobGroup(group, f"hybrid_iter online micro-batch {batch_id}", interruptOnCancel=True)
-    done = threading.Event()
+    def _run(self) -> None:
+        import ray
 
-    def wait() -> None:
-        while not done.is_set():
+        while True:
             try:
-                # returns at a failure, at wake() (the batch ended) or after 5 s
+                # returns at a failure or after 5 s; raises once the coordinator is gone
                 p = ray.get(
-                    actor.wait_progress.remote(sys.maxsize, 5.0, False, sys.maxsize), timeout=60
+                    self._actor.wait_progress.remote(sys.maxsize, 5.0, False, sys.maxsize),
+                    timeout=60,
                 )
             except Exception:
-                return  # the coordinator is gone: the batch's commit says so
-            if p.failed and not done.is_set():
-                sc.cancelJobGroup(group)
+                return  # the iteration was stopped (or its coordinator died)
+            if p.failed:
+                with self._lock:
+                    self._failed, group = True, self._group
+                if group is not None:
+                    self._sc.cancelJobGroup(group)
                 return
 
-    threading.Thread(target=wait, name=f"hybrid_iter-batch-{batch_id}-watch", daemon=True).start()
-    try:
-        yield
-    except Exception:
-        failures = _recorded_failures(actor)
-        if not failures:
-            raise
-        raise _batch_failed(batch_id, failures) from failures[0]
-    finally:
-        done.set()
+    @contextmanager
+    def batch(self, batch_id: int, fallback_group: str) -> Iterator[None]:
+        """Run micro-batch ``batch_id``'s Spark jobs (in ``foreachBatch``) in a job group
+        the watch cancels on a failure: the one Structured Streaming runs the query's
+        jobs in (its run id, interruptible: what ``query.stop()`` cancels), or
+        ``fallback_group`` set here when the thread has none.
+
+        When a job fails and the coordinator holds a failure (a task reported the
+        callback that raised, or a ``CallTimeout``), raise ``IterationFailedError`` naming
+        the partition, the micro-batch and the method; without one (an executor died,
+        ...), Spark's own error goes on unchanged. After a failure no batch starts."""
+        sc = self._sc
+        group = sc.getLocalProperty("spark.jobGroup.id")
+        saved = None
+        if group is None:
+            saved = {key: sc.getLocalProperty(key) for key in _JOB_GROUP_KEYS}
+            group = fallback_group
+            sc.setJobGroup(
+                group, f"hybrid_iter online micro-batch {batch_id}", interruptOnCancel=True
+            )
+        with self._lock:  # either the watch sees this group, or this batch sees the failure
+            self._group, failed = group, self._failed
         try:
-            actor.wake.remote()  # end the waiter's poll now
+            if failed:
+                failures = _recorded_failures(self._actor)
+                if failures:
+                    raise _batch_failed(batch_id, failures) from failures[0]
+            yield
+        except IterationFailedError:
+            raise
         except Exception:
-            pass  # the coordinator is gone
-        if saved is not None:
-            for key, value in saved.items():
-                sc.setLocalProperty(key, value)
+            failures = _recorded_failures(self._actor)
+            if not failures:
+                raise
+            raise _batch_failed(batch_id, failures) from failures[0]
+        finally:
+            with self._lock:
+                self._group = None
+            if saved is not None:
+                for key, value in saved.items():
+                    sc.setLocalProperty(key, value)
 
 
 def _partial_run(
