@@ -88,10 +88,14 @@ def _measured_coordinator_class() -> type:
         bytes_in = 0
         calls_in = 0
 
-        async def report(self, pid, epoch, known_version, emissions, rows=None, attempt=0):
+        async def report(
+            self, pid, epoch, known_version, emissions, rows=None, attempt=0, offered=None
+        ):
             self.calls_in += 1
             self.bytes_in += 200 + _nbytes(emissions.feedback)
-            return await super().report(pid, epoch, known_version, emissions, rows, attempt)
+            return await super().report(
+                pid, epoch, known_version, emissions, rows, attempt, offered
+            )
 
         async def report_group(self, first_pid, epoch, members, combined, attempt=0):
             self.calls_in += 1

@@ -313,8 +313,11 @@ class GroupAggregator:
         emissions: Emissions,
         rows: Sequence[int] | None = None,
         attempt: int = 0,
+        offered: tuple[Any] | None = None,
     ) -> Reply:
-        """Member ``pid``'s call ``epoch``: returns the coordinator's reply to it."""
+        """Member ``pid``'s call ``epoch``: returns the coordinator's reply to it. The
+        coordinator's ``report`` signature; ``offered`` is always None here (a member of a
+        tree is asked for its checkpoint state and answers the coordinator directly)."""
         if self._failure is not None:
             return Reply(epoch, True, -1, None, self._failure)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()

@@ -1134,7 +1134,7 @@ def iterate_unbounded_streams(
                 _write_bad_files(dead_letter_path, batch_id, bad)
         commit = ray.get(actor.commit_batch.remote(batch_id, rows, dead, len(bad)))
         if commit["failure"] is not None:
-            failures = ray.get(actor.online_state.remote())["failures"] or [commit["failure"]]
+            failures = _recorded_failures(actor) or [commit["failure"]]
             raise _batch_failed(batch_id, failures) from failures[0]
         if commit["applied"]:
             where["committed"], where["round"] = batch_id, commit["round"]

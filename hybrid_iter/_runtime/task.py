@@ -384,10 +384,6 @@ class _Subtask(_TaskSteps):
             target.report.remote(
                 self.pid, self.k, self.ctx.variables_version, em, rows, self.plan.attempt, offered
             )
-            if offered is not None
-            else target.report.remote(
-                self.pid, self.k, self.ctx.variables_version, em, rows, self.plan.attempt
-            )
         )
         while reply.error is None and reply.need_state:  # a checkpoint: give our state, wait
             state = self.checkpoint_state()
