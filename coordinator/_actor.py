@@ -70,6 +70,10 @@ class CoordinatorSpec:
     progress_tag: str = "loss"
     #: feedback_combine: merge feedback in a tree (sync only; ``coordinator._tree``)
     tree: TreeSpec | None = None
+    #: the launch whose calls a newly created actor accepts from the start, so the driver
+    #: need not wait for the actor's process before the Spark stage (None: none until
+    #: ``begin_attempt``); a restarted actor ignores it (the driver opens the next one)
+    attempt: int | None = None
 
 
 @dataclass(frozen=True)
@@ -178,7 +182,48 @@ class CoordinatorCollector:
 class IterationCoordinator:
     """One iteration's coordinator. All public methods are called through Ray."""
 
-    def __init__(self, spec: CoordinatorSpec, put: Callable[[Any], Any] | None = None) -> None:
+    spec: CoordinatorSpec
+
+    def __init__(
+        self,
+        spec: CoordinatorSpec | None,
+        put: Callable[[Any], Any] | None = None,
+        *,
+        warm: Sequence[str] = (),
+    ) -> None:
+        """``spec`` None: a spare, started ahead of need (its process and imports are the
+        slow part of a launch), with the modules ``warm`` (those of the operators it is
+        likely to load) imported; ``configure`` makes it a run's coordinator."""
+
+        if spec is not None:
+            self._setup(spec, put)
+            return
+        import importlib
+
+        for module in warm:
+            try:
+                importlib.import_module(module)
+            except Exception:  # pragma: no cover - configure reports a real failure
+                pass
+
+    def configure(self, spec: CoordinatorSpec) -> None:
+        """Make a spare the coordinator of ``spec``'s run, as the constructor would have
+        (once; a spare runs without checkpoints, so Ray never restarts it)."""
+        if hasattr(self, "spec"):
+            raise RuntimeError("this coordinator is configured already")
+        self._setup(spec, None)
+
+    def retire(self) -> bool:
+        """After a run that ended well (every Spark task of it has ended, so no call of
+        it is on the way): forget the run (variables, operators, outputs) and wait, as
+        a spare, for the next ``configure``. False when it must be killed instead: it
+        owns group actors (a feedback tree) or holds a failure."""
+        if self._failures or (self._tree is not None and self._tree.groups):
+            return False
+        self.__dict__.clear()
+        return True
+
+    def _setup(self, spec: CoordinatorSpec, put: Callable[[Any], Any] | None) -> None:
         get: Callable[[Any], Any] | None = None
         if put is None:
             try:
@@ -257,6 +302,8 @@ class IterationCoordinator:
         self.restored_from: str | None = None
         self.skipped_checkpoints: list[tuple[str, str]] = []
         self._reconstructed = _was_reconstructed()
+        if spec.attempt is not None and not self._reconstructed:
+            self.cut.begin_attempt(spec.attempt)
         try:
             ck = spec.checkpoint
             if ck is not None:

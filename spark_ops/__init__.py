@@ -36,6 +36,7 @@ from .iteration import (
     ReplayPlan,
     available_task_slots,
     column_to_numpy,
+    exact_num_partitions,
     is_numeric_arrow_type,
     num_partitions,
 )
@@ -112,6 +113,7 @@ __all__ = [
     "SparkOpsIndexError",
     "available_task_slots",
     "column_to_numpy",
+    "exact_num_partitions",
     "full_window_partition",
     "is_numeric_arrow_type",
     "key_by",

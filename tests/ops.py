@@ -179,3 +179,26 @@ class RecordingCoordinator(hi.CoordinatorOperator):
 
     def on_iteration_terminated(self, ctx, out):
         out.output("coord", ("terminated", ctx.epoch, []))
+
+
+class PidCoordinator(RecordingCoordinator):
+    """A ``RecordingCoordinator`` that outputs its process id ("coordinator_pid") when it
+    opens, and fails at ``fail_at`` (an epoch) when given."""
+
+    def __init__(self, fail_at=None, **kwargs):
+        super().__init__(**kwargs)
+        self.fail_at = fail_at
+
+    def open(self, init_variables, ctx):
+        super().open(init_variables, ctx)
+        self.seen = sorted(init_variables)
+
+    def on_epoch_watermark_incremented(self, epoch, ctx, out):
+        import os
+
+        if epoch == 0:
+            out.output("coordinator_pid", os.getpid())
+            out.output("init_names", self.seen)
+        if epoch == self.fail_at:
+            raise RuntimeError(f"coordinator fails at epoch {epoch}")
+        super().on_epoch_watermark_incremented(epoch, ctx, out)

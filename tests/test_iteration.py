@@ -7,6 +7,7 @@ import pytest
 from ops import (
     GradientDescent,
     LinRegPartition,
+    PidCoordinator,
     Recorder,
     RecordingCoordinator,
     make_regression,
@@ -334,3 +335,37 @@ def test_dataframes_spark_refuses_in_a_barrier_stage_still_run(spark, regression
     w, _, _ = numpy_linreg(X, y, 0.3, 5)
     np.testing.assert_allclose(result.variables["w"], w, atol=1e-9)
     assert result.extra["repartitioned"] is True
+
+
+# -- the coordinator's process -------------------------------------------------------------
+
+
+def test_a_coordinator_that_ended_well_serves_the_drivers_next_run_from_a_clean_start(spark):
+    """A run Ray never restarts (no checkpoints) takes the coordinator process the driver's
+    previous run left (no process to start: the slow part of a short run), which starts
+    from nothing of that run; a coordinator whose run failed is killed, not reused."""
+    df = spark.range(40, numPartitions=2)
+
+    def body(**kw):
+        return hi.IterationBody(
+            partition=Recorder(),
+            coordinator=PidCoordinator(**kw),
+            criteria=hi.TerminateOnMaxIter(3),
+        )
+
+    first = run(df, body(), parallelism=2)
+    second = run(df, body(), init={"version": 5, "w": np.zeros(3)}, parallelism=2)
+    (pid1,), (pid2,) = first.outputs["coordinator_pid"], second.outputs["coordinator_pid"]
+    assert pid1 == pid2
+    # nothing of the first run: its variables, outputs and epochs are the second's own
+    assert second.outputs["init_names"] == [["version", "w"]]
+    assert sorted(second.variables) == ["version", "w"] and second.variables["version"] == 8
+    assert second.outputs["coord"] == first.outputs["coord"] and second.epochs == 3
+    assert len(second.outputs["event"]) == len(first.outputs["event"])
+
+    with pytest.raises(hi.IterationFailedError, match="coordinator fails at epoch 1"):
+        run(df, body(fail_at=1), parallelism=2)
+    third = run(df, body(), parallelism=2)
+    (pid3,) = third.outputs["coordinator_pid"]
+    assert pid3 != pid2  # the failed run's process (the reused one) was killed
+    assert third.outputs["coord"] == first.outputs["coord"]

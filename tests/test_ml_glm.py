@@ -185,6 +185,32 @@ def test_multinomial_equals_mllib_with_its_columns(scaled):
         ml.LogisticRegression(features_col=COLS, label_col="klass", family="binomial").fit(df)
 
 
+def test_a_fit_runs_no_spark_job_but_its_iteration(spark, scaled):
+    """The class count comes from the fit's own first pass (statistics), not from a Spark
+    job over the label before it: a binomial fit and a multinomial one whose label has no
+    metadata (the coordinator then asks for a second run shaped for 3 classes) start no
+    job on the caller's thread; the iteration's barrier stage runs under its own group."""
+    import uuid
+
+    df, X, label, klass, _ = scaled
+    sc = spark.sparkContext
+    group = f"caller-{uuid.uuid4().hex}"
+    sc.setJobGroup(group, "jobs a fit starts besides its iteration")
+    try:
+        binomial = ml.LogisticRegression(features_col=COLS).fit(df)
+        multi = ml.LogisticRegression(features_col=COLS, label_col="klass").fit(df)
+    finally:
+        jobs = list(sc.statusTracker().getJobIdsForGroup(group))
+        sc.setLocalProperty("spark.jobGroup.id", None)
+    assert not jobs, f"Spark jobs outside the iteration: {jobs}"
+    assert binomial.summary.family == "binomial" and binomial.num_classes == 2
+    assert multi.summary.family == "multinomial" and multi.num_classes == 3
+    assert multi.coefficient_matrix.shape == (3, D)
+    # what the first (statistics only) run ended for does not leak into the model
+    assert np.isfinite(multi.summary.objective_history).all()
+    assert multi.summary.converged
+
+
 def test_pipeline_crossvalidator_and_pipeline_model_save_load(spark, scaled, tmp_path):
     from pyspark.ml import Pipeline, PipelineModel
     from pyspark.ml.classification import LogisticRegression as MLlibLR

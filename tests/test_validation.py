@@ -339,13 +339,14 @@ def test_a_relaunch_without_enough_task_slots_fails_naming_the_cause(spark):
     """After a failure that took an executor with it, a relaunch that cannot get its
     barrier stage's slots back fails within a bound, naming slots and the resume, instead
     of Spark holding the stage without a word."""
-    import types
-
+    from coordinator import CheckpointSpec
     from hybrid_iter._runtime.iterate import _wait_for_slots
 
     slots = spark.sparkContext.defaultParallelism
     config = hi.IterationConfig(call_timeout=0.2)
-    ckpt = types.SimpleNamespace(path="s3://bucket/run")
+    # the spec the relaunch really holds (a stand-in with other attribute names hid that
+    # this message once read a field CheckpointSpec does not have)
+    ckpt = CheckpointSpec(uri="s3://bucket/run")
     with pytest.raises(hi.IterationFailedError) as err:
         _wait_for_slots(spark, slots + 3, config, 1, ckpt, 4)
     message = str(err.value)

@@ -35,7 +35,13 @@ from coordinator import (
     fingerprint_mismatch,
     normalize_variables,
 )
-from spark_ops import BarrierStage, ReplayPlan, available_task_slots, num_partitions
+from spark_ops import (
+    BarrierStage,
+    ReplayPlan,
+    available_task_slots,
+    exact_num_partitions,
+    num_partitions,
+)
 
 from .._body import IterationBody
 from .._config import IterationConfig, OperatorLifecycle
@@ -50,7 +56,14 @@ from .._errors import (
 from .._result import IterationResult
 from .._session import Session
 from .._streams import ReplayableDataStreamList, _is_dataframe
-from .placement import actor_class, kill, launch_held
+from .placement import (
+    actor_class,
+    keep_spare,
+    kill,
+    launch_held,
+    retire_as_spare,
+    take_spare,
+)
 from .progress import ProgressPrinter
 from .ray_util import NAMESPACE
 from .shipping import dumps
@@ -78,7 +91,9 @@ def _ray_address(spark: Any) -> str:
 
 def _validate(
     init_variables: Any, data_streams: Any, config: Any, body: Any
-) -> tuple[dict[str, Any], ReplayableDataStreamList]:
+) -> tuple[dict[str, Any], ReplayableDataStreamList, list[int | None]]:
+    """The checked variables, the streams, and each stream's partition count where the
+    plan gives it exactly."""
     if not isinstance(config, IterationConfig):
         raise IterationConfigError(
             f"config must be a hybrid_iter.IterationConfig, got {type(config).__name__}"
@@ -113,9 +128,13 @@ def _validate(
                 f"init_variables[{key!r}] has NaN/inf values; start from finite values "
                 f"(e.g. np.zeros)"
             )
+    exact: list[int | None] = []
     for i, stream in enumerate(data_streams.streams):
         stream.validate(i)
-        if num_partitions(stream.df) == 0:
+        # exact when the plan tells without a job; the barrier stage reuses it (planning
+        # a DataFrame's RDD costs tens of milliseconds)
+        exact.append(exact_num_partitions(stream.df))
+        if (exact[-1] if exact[-1] is not None else num_partitions(stream.df)) == 0:
             raise DataValidationError(
                 f"data stream {i} has no partitions, so no rows; an iteration needs data"
             )
@@ -137,7 +156,7 @@ def _validate(
     sessions = {id(df.sparkSession) for df in data_streams.dataframes}
     if len(sessions) != 1:
         raise IterationConfigError("all data streams must come from the same SparkSession")
-    return variables, data_streams
+    return variables, data_streams, exact
 
 
 def _refuse_nested() -> None:
@@ -188,7 +207,12 @@ SLOT_WAIT_SECONDS = 120.0
 
 
 def _wait_for_slots(
-    spark: Any, n: int, config: IterationConfig, attempt: int, checkpoint: Any, expect: Any
+    spark: Any,
+    n: int,
+    config: IterationConfig,
+    attempt: int,
+    checkpoint: CheckpointSpec | None,
+    expect: int | None,
 ) -> None:
     """Before relaunch ``attempt``: the barrier stage needs ``n`` task slots at once. A
     failure that took an executor with it leaves fewer until the cluster manager
@@ -205,7 +229,7 @@ def _wait_for_slots(
     where = ""
     if checkpoint is not None:
         where = (
-            f"; the checkpoints in {checkpoint.path!r}"
+            f"; the checkpoints in {checkpoint.uri!r}"
             + (f" (newest: epoch {expect})" if expect is not None else "")
             + " are kept: resume with IterationConfig(resume_from=...) once executors are "
             "back"
@@ -233,7 +257,7 @@ def iterate_bounded_streams_until_termination(
     started = time.perf_counter()
     started_wall = time.time()
     _refuse_nested()
-    variables, streams = _validate(init_variables, data_streams, config, body)
+    variables, streams, partitions = _validate(init_variables, data_streams, config, body)
     spark = streams.dataframes[0].sparkSession
     slots = available_task_slots(spark)
     if slots < 1:
@@ -312,8 +336,16 @@ def iterate_bounded_streams_until_termination(
         # a coordinator operator (the driver's call_timeout watchdog asks it)
         concurrency_groups={"watch": 1},
     )
+    # what a spare coordinator imports ahead: the modules of this run's operators
+    warm = sorted(
+        {
+            type(op).__module__
+            for op in (body.coordinator, body.per_round_coordinator, *body.coordinator_listeners)
+            if op is not None and type(op).__module__ != "__main__"
+        }
+    )
     extra: dict[str, Any] = {"attempts": []}
-    attempt, actor, actor_name = 0, None, name
+    attempt, actor, actor_name, ended = 0, None, name, False
     restore = config.resume_from is not None
     # the newest checkpoint known to exist: a restore that finds less fails loudly
     expect = checkpoint.expect_epoch if checkpoint is not None else None
@@ -321,22 +353,32 @@ def iterate_bounded_streams_until_termination(
         while True:
             if actor is None:
                 actor_name = f"{name}.a{attempt}"
-                # the driver holds the spec (it can be megabytes of initial variables)
-                # for as long as Ray may restart this actor from it
-                launched = launch_held(
-                    actor_cls,
-                    actor_name,
-                    dataclasses.replace(
-                        spec,
-                        checkpoint=checkpoint
-                        and dataclasses.replace(checkpoint, restore=restore, expect_epoch=expect),
-                    ),
+                launch_spec = dataclasses.replace(
+                    spec,
+                    attempt=attempt,
+                    checkpoint=checkpoint
+                    and dataclasses.replace(checkpoint, restore=restore, expect_epoch=expect),
                 )
-                actor = launched.handle
+                # a run Ray never restarts takes the driver's spare coordinator when
+                # there is one: the previous run's, retired, or one started ahead
+                spare = (
+                    take_spare(actor_cls, "configure", launch_spec) if checkpoint is None else None
+                )
+                if spare is not None:
+                    actor, actor_name = spare
+                else:
+                    # the driver holds the spec (it can be megabytes of initial
+                    # variables) for as long as Ray may restart this actor from it; a
+                    # new actor accepts this launch's calls from its start: the Spark
+                    # stage is submitted while its process starts (a failure to start
+                    # reaches the tasks and the monitor)
+                    launched = launch_held(actor_cls, actor_name, launch_spec)
+                    actor = launched.handle
+            else:  # restarted by Ray: it serves the next launch once told so
+                _call(actor, "begin_attempt", attempt)
             run_plan = dataclasses.replace(
                 plan, actor_name=actor_name, attempt=attempt, restore=restore
             )
-            _call(actor, "begin_attempt", attempt)
             if attempt > 0:
                 _wait_for_slots(spark, n, config, attempt, checkpoint, expect)
             monitor = _Monitor(actor, spark.sparkContext, name, config, n)
@@ -345,12 +387,16 @@ def iterate_bounded_streams_until_termination(
                     _run_rounds(monitor, run_plan, streams, n, extra)
                 else:
                     stage = BarrierStage(
-                        streams.dataframes, n, functools.partial(run_subtask, run_plan)
+                        streams.dataframes,
+                        n,
+                        functools.partial(run_subtask, run_plan),
+                        partitions=partitions[0],
                     )
                     monitor.run(stage.run)
                     extra["repartitioned"] = stage.repartitioned
                 data = monitor.finish()
                 extra["checkpoint"] = _call(actor, "checkpoint_info")
+                ended = True
                 break
             except BaseException as ex:
                 if monitor.checkpointed >= 0:
@@ -376,8 +422,15 @@ def iterate_bounded_streams_until_termination(
                     kill(actor, f"the coordinator actor {name}")
                     actor = None
     finally:
-        if actor is not None:
+        # after a run that ended well, a coordinator Ray never restarts waits as the
+        # driver's spare for its next run (no process to start then); else it is killed
+        # and a fresh spare started
+        if actor is not None and not (
+            ended and checkpoint is None and retire_as_spare(actor_cls, actor, actor_name)
+        ):
             kill(actor, f"the coordinator actor {name}")
+        if checkpoint is None:
+            keep_spare(actor_cls, warm)
     times = data.alignment_times
     return IterationResult(
         variables=data.variables,
@@ -693,8 +746,13 @@ class _Monitor:
         thread = threading.Thread(target=target, name=f"{self.name}-job{self.jobs}", daemon=True)
         self.jobs += 1
         try:
-            if ray.get(self.actor.progress.remote(), timeout=self.call_timeout).failed:
-                return  # the coordinator could not start: no job
+            if (
+                self.jobs > 1
+                and ray.get(self.actor.progress.remote(), timeout=self.call_timeout).failed
+            ):
+                return  # the coordinator failed in an earlier round: no further job
+            # the first job starts at once, while the coordinator's process may still be
+            # starting: a coordinator that cannot start fails the tasks' first calls
             thread.start()
             answered = time.monotonic()
             while thread.is_alive():

@@ -28,7 +28,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._errors import SessionError
@@ -39,14 +39,18 @@ __all__ = [
     "COORDINATOR_RESOURCES_ENV",
     "HEAD_RESOURCE",
     "RAY_HEAD_RESOURCE",
+    "ActorKind",
     "Launched",
     "actor_class",
     "check_resources",
     "coordinator_actor_options",
     "coordinator_resources",
+    "keep_spare",
     "kill",
     "launch",
     "launch_held",
+    "retire_as_spare",
+    "take_spare",
 ]
 
 #: The custom resource the k8s manifests put on the head node (also RayDP's app master's).
@@ -138,20 +142,128 @@ def coordinator_actor_options() -> dict[str, Any]:
     return {"resources": resources} if resources else {}
 
 
-def actor_class(cls: type, *, max_restarts: int = 0, **options: Any) -> Any:
+#: ``ray.remote(cls, ...)`` per class and creation-only options: Ray exports an actor
+#: class (pickles it and disassembles its code for a collision check, ~0.1 s) each time
+#: a *new* ``ray.remote`` class is first launched, so it is made once per process and
+#: the per-run options go through ``.options`` (Ray re-exports it by itself to a new
+#: Ray session)
+_REMOTE_CLASSES: dict[tuple[type, tuple[tuple[str, Any], ...]], Any] = {}
+
+
+class ActorKind:
+    """A coordinator-tier actor class with its options: ``.options(name=..., ...)``
+    gives what ``.remote(*args)`` starts (``launch``)."""
+
+    def __init__(self, remote_cls: Any, options: Mapping[str, Any]) -> None:
+        self._remote_cls, self._options = remote_cls, dict(options)
+
+    def options(self, **more: Any) -> Any:
+        return self._remote_cls.options(**self._options, **more)
+
+
+def actor_class(
+    cls: type,
+    *,
+    max_restarts: int = 0,
+    concurrency_groups: Mapping[str, int] | None = None,
+    **options: Any,
+) -> ActorKind:
     """``cls`` as a Ray actor class of the coordinator tier: no CPU of its own, placed by
     ``coordinator_actor_options``, no task retries (a retried call could apply an update
     twice), restarted ``max_restarts`` times after its process died (only runs with
     checkpoints restart: a restarted actor reloads the newest one)."""
     import ray
 
-    return ray.remote(
-        num_cpus=0,
-        max_restarts=max_restarts,
-        max_task_retries=0,
-        **options,
-        **coordinator_actor_options(),
-    )(cls)
+    fixed = tuple(sorted((concurrency_groups or {}).items()))
+    key = (cls, fixed)
+    remote_cls = _REMOTE_CLASSES.get(key)
+    if remote_cls is None:
+        # ray's remote(**options) overload lists task options only, not concurrency_groups
+        remote_cls = _REMOTE_CLASSES[key] = ray.remote(  # type: ignore[call-overload]
+            num_cpus=0, max_task_retries=0, concurrency_groups=dict(fixed) or None
+        )(cls)
+    return ActorKind(
+        remote_cls,
+        {"max_restarts": max_restarts, **options, **coordinator_actor_options()},
+    )
+
+
+#: a spare actor per (class, options, Ray job): started ahead of the run that takes it
+_SPARES: dict[tuple[Any, ...], tuple[Any, str]] = {}
+
+
+def _spare_key(kind: ActorKind) -> tuple[Any, ...]:
+    import ray
+
+    job = ray.get_runtime_context().get_job_id()
+    return (kind._remote_cls, job, repr(sorted(kind._options.items())))
+
+
+def keep_spare(kind: ActorKind, warm: Sequence[str] = ()) -> None:
+    """Start a spare actor of ``kind`` (its class with ``(None, warm=warm)``: idle, with the modules
+    ``warm`` imported) if there is none: the next ``take_spare`` finds its process
+    started and its modules imported. It belongs to this driver and ends with it; never
+    raises."""
+    from .ray_util import NAMESPACE
+
+    try:
+        key = _spare_key(kind)
+        if key in _SPARES:
+            return
+        for other in [
+            k for k in _SPARES if k[0] is kind._remote_cls and k != key
+        ]:  # an earlier Ray job's
+            del _SPARES[other]
+        import uuid
+
+        name = f"hybrid_iter.spare.{uuid.uuid4().hex[:12]}"
+        _SPARES[key] = (
+            kind.options(name=name, namespace=NAMESPACE).remote(None, warm=tuple(warm)),
+            name,
+        )
+    except Exception as ex:  # an optimisation only
+        log.debug("no spare actor: %s", ex)
+
+
+def take_spare(kind: ActorKind, configure: str, *args: Any) -> tuple[Any, str] | None:
+    """The spare actor of ``kind`` with ``configure(*args)`` done on it, and its name;
+    None when there is none or it cannot take the run (then launch one)."""
+    import ray
+
+    try:
+        got = _SPARES.pop(_spare_key(kind), None)
+    except Exception:
+        return None
+    if got is None:
+        return None
+    handle, name = got
+    try:
+        ray.get(getattr(handle, configure).remote(*args), timeout=120)
+    except Exception as ex:  # it died, or Ray is gone: start one the usual way
+        log.debug("spare %s unusable: %s", name, ex)
+        kill(handle, f"the spare {name}")
+        return None
+    return handle, name
+
+
+def retire_as_spare(kind: ActorKind, handle: Any, name: str, method: str = "retire") -> bool:
+    """After a run that ended well: ``handle.retire()`` (it forgets the run) and keep it
+    as the spare of ``kind`` (an earlier spare is killed). False when it declines (it
+    owns other actors, or failed) or cannot be reached: then kill it."""
+    import ray
+
+    try:
+        if not ray.get(getattr(handle, method).remote(), timeout=30):
+            return False
+        key = _spare_key(kind)
+    except Exception as ex:
+        log.debug("%s not kept as a spare: %s", name, ex)
+        return False
+    old = _SPARES.pop(key, None)
+    if old is not None:
+        kill(old[0], f"the spare {old[1]}")
+    _SPARES[key] = (handle, name)
+    return True
 
 
 class Launched:

@@ -13,6 +13,7 @@ Runs inside a Spark Python worker. Two ways to run a subtask, one code path:
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import threading
 import time
@@ -323,10 +324,30 @@ class _Subtask(_TaskSteps):
         self.step("loading the partition operator")
         return cloudpickle.loads(blob)
 
-    def _fetch_variables(self) -> None:
-        payload = self.ask(self.coord.variables.remote(-1))
+    def _fetch_variables(
+        self, inputs: Iterator[tuple[int, pa.RecordBatch]] | None = None
+    ) -> Iterator[tuple[int, pa.RecordBatch]]:
+        """The newest variables from the coordinator. With ``inputs``, data batches are
+        read while the answer is on the way (at the start of a run the coordinator may
+        still be loading): returns the inputs, the batches read meanwhile first. Only
+        what arrives before the answer is held, and the operators still see the
+        variables before any data."""
+        import ray
+
+        ref = self.coord.variables.remote(-1)
+        rest = iter(inputs if inputs is not None else ())
+        early: list[tuple[int, pa.RecordBatch]] = []
+        if inputs is not None:
+            self.step("reading the data")
+            while not ray.wait([ref], timeout=0)[0]:
+                got = next(rest, None)
+                if got is None:
+                    break
+                early.append(got)
+        payload = self.ask(ref)
         self.variables = _resolve(payload)
         self.ctx.variables_version = payload.version
+        return itertools.chain(early, rest)
 
     def _new_round_ops(self) -> None:
         """Fresh per-round operators for the current epoch, opened with its variables."""
@@ -439,7 +460,7 @@ class _Subtask(_TaskSteps):
         restored, exactly as in the run without the fault."""
         restored = self.ask(self.coord.restored.remote(self.pid)) if self.plan.restore else None
         kind, blob = (restored[2] or (None, None)) if restored is not None else (None, None)
-        self._fetch_variables()
+        inputs = self._fetch_variables(inputs)
         if not self.plan.main_per_round and kind != "object":
             self.all_round = self._load(self.plan.operator)
             self.call(self.all_round, "open", self.ctx)

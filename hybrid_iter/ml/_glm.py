@@ -90,8 +90,10 @@ class FitSpec:
     tol: float
     label: str
     memory: int = 10
-    #: classes known on the driver (label metadata or the label's maximum + 1)
+    #: classes known on the driver (label metadata, or a run that found them), else 0
     classes: int = 0
+    #: the coefficient rows the variables are shaped with (1: binomial or least squares)
+    rows: int = 1
 
 
 # -- partition-side math (Spark task) ------------------------------------------------------
@@ -141,12 +143,39 @@ def _centred_moments(X: np.ndarray, sw: np.ndarray | None) -> tuple[float, np.nd
         return 0.0, np.zeros(d), np.zeros(d)
     mean = (sw @ X if sw is not None else X.sum(axis=0)) / W
     m2 = np.zeros(X.shape[1])
+    if X.flags.f_contiguous:  # a column at a time: contiguous, one temporary column
+        for j in range(X.shape[1]):
+            c = X[:, j] - mean[j]
+            m2[j] = (c * sw) @ c if sw is not None else c @ c
+        return W, mean, m2
     block = _block_rows(X.shape[1])
     for s in range(0, len(X), block):
         D = X[s : s + block] - mean
         D *= D
         m2 += sw[s : s + block] @ D if sw is not None else D.sum(axis=0)
     return W, mean, m2
+
+
+#: up to this many classes the per-class feature sums are one matrix-vector product
+#: per class; more, a one-hot matrix-matrix product per block of rows
+_FEW_CLASSES = 16
+
+
+def _class_sums(X: np.ndarray, idx: np.ndarray, w: np.ndarray, k: int) -> np.ndarray:
+    """``(k, d)``: row ``c`` is ``sum_i w_i x_i`` over the rows of class ``c``."""
+    n, d = X.shape
+    cx = np.zeros((k, d))
+    if k <= _FEW_CLASSES:
+        for c in range(k):
+            cx[c] = np.where(idx == c, w, 0.0) @ X
+        return cx
+    block = _block_rows(max(d, k))
+    for s in range(0, n, block):
+        e = min(n, s + block)
+        onehot = np.zeros((e - s, k))
+        onehot[np.arange(e - s), idx[s:e]] = w[s:e]
+        cx += onehot.T @ X[s:e]
+    return cx
 
 
 def partition_stats(
@@ -176,7 +205,7 @@ def partition_stats(
             wy = w[s : s + block] * yc[s : s + block]
             xy += wy @ Xc
             if G is not None:
-                G += Xc.T @ (Xc * w[s : s + block, None])
+                G += Xc.T @ (Xc * w[s : s + block, None] if sw is not None else Xc)
         out["xy"] = xy
         if G is not None:
             out["gram"] = G
@@ -184,12 +213,7 @@ def partition_stats(
         k = int(y.max()) + 1 if n else 0
         idx = y.astype(np.intp)
         out["class_w"] = np.bincount(idx, weights=w, minlength=k)
-        cx = np.zeros((k, d))
-        for c in range(k):  # one pass per class present; K is small next to the rows
-            rows = idx == c
-            if rows.any():
-                cx[c] = w[rows] @ X[rows]
-        out["class_x"] = cx
+        out["class_x"] = _class_sums(X, idx, w, k)
     return out
 
 
@@ -632,6 +656,12 @@ class _GLMServer(CoordinatorOperator):
     def _start(self, stats: dict[str, Any], out: Any) -> None:
         problem = self.problem = Problem(self.spec, stats)
         spec = self.spec
+        if (problem.classes if problem.family == MULTINOMIAL else 1) != spec.rows:
+            # more classes than the variables have rows for: end now, the driver runs the
+            # fit again with the count (``linear._fit_glm``)
+            out.output("classes", problem.classes)
+            out.publish_variables(phase=DONE)
+            return
         if problem.family == GAUSSIAN and problem.label_std() == 0 and spec.fit_intercept:
             problem.warnings.append(
                 f"label column {spec.label!r} is constant: coefficients 0, intercept its value"

@@ -50,7 +50,6 @@ from ._features import ARRAY, COLUMNS, VECTOR, FeaturePlan, resolve_features
 from ._glm import (
     BINOMIAL,
     GAUSSIAN,
-    MAX_CLASSES,
     MULTINOMIAL,
     NORMAL_MAX_FEATURES,
     FitSpec,
@@ -272,32 +271,17 @@ def _fit_sgd(
 
 
 def _num_classes(df: Any, label: str) -> int:
-    """The label's class count: its ML metadata (``StringIndexer``) or one aggregate
-    job for its maximum (MLlib does the same); the coordinator's variables need the
-    coefficient matrix's shape before the iteration starts."""
-    from pyspark.sql import functions as F
-
+    """The label's class count when its ML metadata gives one (``StringIndexer``: classes
+    that are absent from the data count too), else 0: the epoch-0 statistics count the
+    classes (the largest index + 1) and the coordinator shapes the coefficients from
+    them, so no Spark job is spent on the label here."""
     attrs = (df.schema[label].metadata or {}).get("ml_attr", {})
     if isinstance(attrs, dict):
         if isinstance(attrs.get("num_vals"), int):
             return int(attrs["num_vals"])
         if isinstance(attrs.get("vals"), list):
             return len(attrs["vals"])
-    top = df.agg(F.max(F.col(label).cast("double"))).first()[0]
-    if top is None:
-        from .._errors import DataValidationError
-
-        raise DataValidationError(f"label column {label!r} has no non-null values: nothing to fit")
-    top = float(top)
-    if not math.isfinite(top) or top >= MAX_CLASSES:
-        from .._errors import DataValidationError
-
-        raise DataValidationError(
-            f"label column {label!r} holds {top!r}; logistic regression needs class indices "
-            f"0, 1, ..., K-1 (K <= {MAX_CLASSES}); index string labels with "
-            f"pyspark.ml.feature.StringIndexer"
-        )
-    return max(int(top) + 1, 1)
+    return 0
 
 
 def _fit_glm(
@@ -321,41 +305,54 @@ def _fit_glm(
     else:
         solver = "l-bfgs"
     classes = 0 if family in (GAUSSIAN, BINOMIAL) else _num_classes(df, v("label_col"))
-    multinomial = family == MULTINOMIAL or (family == "auto" and classes > 2)
-    spec = FitSpec(
-        classes=classes,
-        family=family,
-        solver=solver,
-        reg=float(v("reg")),
-        elastic_net=float(v("elastic_net")),
-        standardization=bool(v("standardization")),
-        fit_intercept=bool(v("fit_intercept")),
-        max_iter=int(v("max_iter")),
-        tol=float(v("tol")),
-        label=str(v("label_col")),
-    )
-    body = IterationBody(
-        partition=_GLMTask(plan, family, gram=solver == "normal"),
-        coordinator=_GLMServer(spec),
-        criteria=True,
-        feedback_combine=GLMCombiner(),
-    )
-    rows = max(classes, 2) if multinomial else 1
-    init = {"phase": 0, "coef": np.zeros((rows, plan.dim)), "intercept": np.zeros(rows)}
     t = time.perf_counter()
-    result = run_iteration(
-        df,
-        plan,
-        init,
-        body,
-        staleness=0,
-        parallelism=v("parallelism"),
-        progress=v("progress"),
-        name=f"{owner}[{solver}]",
-        progress_tag="objective",
-        # a safety net only: the optimizer stops itself (<= 30 trials per iteration)
-        max_epochs=2 + 31 * (spec.max_iter + 1),
-    )
+    while True:
+        multinomial = family == MULTINOMIAL or (family == "auto" and classes > 2)
+        # the coefficient rows the variables are shaped with: the coordinator learns the
+        # class count from epoch 0's statistics and, when it needs more rows (a label
+        # with more classes than its metadata or a binomial guess says), ends the run
+        # at once and says how many: then it runs again (no Spark job reads the label
+        # before the fit)
+        rows = max(classes, 2) if multinomial else 1
+        spec = FitSpec(
+            classes=classes,
+            rows=rows,
+            family=family,
+            solver=solver,
+            reg=float(v("reg")),
+            elastic_net=float(v("elastic_net")),
+            standardization=bool(v("standardization")),
+            fit_intercept=bool(v("fit_intercept")),
+            max_iter=int(v("max_iter")),
+            tol=float(v("tol")),
+            label=str(v("label_col")),
+        )
+        body = IterationBody(
+            partition=_GLMTask(plan, family, gram=solver == "normal"),
+            coordinator=_GLMServer(spec),
+            criteria=True,
+            feedback_combine=GLMCombiner(),
+        )
+        init = {"phase": 0, "coef": np.zeros((rows, plan.dim)), "intercept": np.zeros(rows)}
+        result = run_iteration(
+            df,
+            plan,
+            init,
+            body,
+            staleness=0,
+            parallelism=v("parallelism"),
+            progress=v("progress"),
+            name=f"{owner}[{solver}]",
+            progress_tag="objective",
+            # a safety net only: the optimizer stops itself (<= 30 trials per iteration)
+            max_epochs=2 + 31 * (spec.max_iter + 1),
+        )
+        more = result.outputs.get("classes")
+        if not more:
+            break
+        if int(more[-1]) <= classes:  # pragma: no cover - the second run has the count
+            raise RuntimeError(f"{owner}: the class count did not settle ({more})")
+        classes = int(more[-1])
     info = result.outputs["summary"][-1]
     summary = TrainingSummary(
         objective_history=[float(x) for x in info["objective_history"]],

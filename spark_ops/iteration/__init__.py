@@ -2,7 +2,13 @@
 of an iteration at once (``barrier``) and the Arrow -> numpy cache each subtask reads
 its data into once (``partition_cache``)."""
 
-from .barrier import BarrierStage, ReplayPlan, available_task_slots, num_partitions
+from .barrier import (
+    BarrierStage,
+    ReplayPlan,
+    available_task_slots,
+    exact_num_partitions,
+    num_partitions,
+)
 from .partition_cache import ColumnChunks, NumpyCache, column_to_numpy, is_numeric_arrow_type
 
 __all__ = [
@@ -12,6 +18,7 @@ __all__ = [
     "ReplayPlan",
     "available_task_slots",
     "column_to_numpy",
+    "exact_num_partitions",
     "is_numeric_arrow_type",
     "num_partitions",
 ]

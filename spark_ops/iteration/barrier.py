@@ -52,15 +52,26 @@ def num_partitions(df: DataFrame) -> int | None:
     adaptive execution may still coalesce. ``None`` when the plan cannot tell without
     running (e.g. a ``union`` of shuffled DataFrames).
     """
+    exact = exact_num_partitions(df)
+    if exact is not None:
+        return exact
+    plan = df._jdf.queryExecution().executedPlan()
+    partitioning = plan.inputPlan().outputPartitioning()
+    if partitioning.getClass().getSimpleName() == "UnknownPartitioning":
+        return None
+    return int(partitioning.numPartitions())
+
+
+def exact_num_partitions(df: DataFrame) -> int | None:
+    """The partition count the DataFrame's tasks will have when the plan can tell
+    without running a Spark job (no adaptive shuffle still to run), else None. Runs on
+    the driver; the count is what ``BarrierStage(..., partitions=)`` takes."""
     plan = df._jdf.queryExecution().executedPlan()
     if plan.getClass().getSimpleName() != "AdaptiveSparkPlanExec":
         return int(df._jdf.rdd().getNumPartitions())
     if plan.isFinalPlan():  # already executed: its RDD exists
         return int(plan.execute().getNumPartitions())
-    partitioning = plan.inputPlan().outputPartitioning()
-    if partitioning.getClass().getSimpleName() == "UnknownPartitioning":
-        return None
-    return int(partitioning.numPartitions())
+    return None
 
 
 def _exact_num_partitions(df: DataFrame) -> int:
@@ -129,9 +140,18 @@ def _multi_stream_fn(task: TaskFn) -> Callable[[Iterator[tuple]], Iterator[bytes
 
 
 class BarrierStage:
-    """A barrier stage over ``streams`` with ``num_subtasks`` tasks; ``run()`` collects."""
+    """A barrier stage over ``streams`` with ``num_subtasks`` tasks; ``run()`` collects.
+    ``partitions``: the one stream's partition count when the caller knows it exactly
+    (``exact_num_partitions``), saving a planning of the DataFrame."""
 
-    def __init__(self, streams: Sequence[DataFrame], num_subtasks: int, task: TaskFn) -> None:
+    def __init__(
+        self,
+        streams: Sequence[DataFrame],
+        num_subtasks: int,
+        task: TaskFn,
+        *,
+        partitions: int | None = None,
+    ) -> None:
         if not streams:
             raise ValueError("a barrier stage needs at least one DataFrame")
         if num_subtasks < 1:
@@ -139,6 +159,7 @@ class BarrierStage:
         self.streams = list(streams)
         self.num_subtasks = num_subtasks
         self.task = task
+        self.partitions = partitions
         self.repartitioned = False
 
     def run(self) -> list[bytes]:
@@ -149,7 +170,8 @@ class BarrierStage:
     def _run_single(self) -> list[bytes]:
         n = self.num_subtasks
         df = self.streams[0]
-        if _exact_num_partitions(df) != n:
+        known = self.partitions
+        if (known if known is not None else _exact_num_partitions(df)) != n:
             df = df.repartition(n)
             self.repartitioned = True
         fn = _single_stream_fn(self.task)
