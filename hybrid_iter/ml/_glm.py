@@ -221,7 +221,11 @@ def multinomial_gradient(
     X: np.ndarray, y: np.ndarray, B: np.ndarray, b: np.ndarray, sw: np.ndarray | None
 ) -> np.ndarray:
     """``[R^T X (K x D, row-major), sum R (K), loss sum]`` of the softmax loss at ``(B, b)``,
-    ``R = w * (softmax(X B^T + b) - onehot(y))``, block by block (stable log-sum-exp)."""
+    ``R = w * (softmax(X B^T + b) - onehot(y))``, block by block (stable log-sum-exp).
+
+    The margins of a block are held class-major (``K x rows``): the per-row reductions
+    over the classes then run along contiguous rows of length ``rows``, not over ``K``
+    elements at a time."""
     n, d = X.shape
     k = len(b)
     G = np.zeros((k, d))
@@ -231,23 +235,25 @@ def multinomial_gradient(
     idx = y.astype(np.intp)
     for s in range(0, n, block):
         e = min(n, s + block)
-        Z = X[s:e] @ B.T
-        Z += b
-        zmax = Z.max(axis=1, keepdims=True)
-        E = np.exp(Z - zmax)
-        S = E.sum(axis=1, keepdims=True)
-        rows = np.arange(e - s)
-        lse = zmax[:, 0] + np.log(S[:, 0])
-        li = lse - Z[rows, idx[s:e]]
-        E /= S
-        E[rows, idx[s:e]] -= 1.0
+        Xb = X[s:e]
+        cols = np.arange(e - s)
+        Z = B @ Xb.T  # K x rows
+        Z += b[:, None]
+        zy = Z[idx[s:e], cols]
+        zmax = Z.max(axis=0)
+        Z -= zmax
+        np.exp(Z, out=Z)
+        S = Z.sum(axis=0)
+        li = zmax + np.log(S) - zy
+        Z /= S
+        Z[idx[s:e], cols] -= 1.0
         if sw is not None:
-            E *= sw[s:e, None]
+            Z *= sw[s:e]
             loss += float(li @ sw[s:e])
         else:
             loss += float(li.sum())
-        G += E.T @ X[s:e]
-        gb += E.sum(axis=0)
+        G += Z @ Xb
+        gb += Z.sum(axis=1)
     return np.concatenate([G.ravel(), gb, [loss]])
 
 
