@@ -79,6 +79,27 @@ def raylet_node_ids() -> dict[int, str]:
     return found
 
 
+def driver_nodes() -> set[str]:
+    """The Ray nodes whose raylet a driver of this job is attached to: this Python driver,
+    and the Spark driver's JVM, which RayDP connects to Ray as a Java driver (its core
+    worker log names the node). On one machine every raylet shares 127.0.0.1 and a
+    driver attaches to any of them; killing that raylet takes the driver's connection
+    and every actor it owns (RayDP's app master and executors) with it. On a real
+    cluster the driver runs on the head or the submitting machine, so losing a worker
+    node never does that: the node to kill is one no driver is attached to."""
+    import re
+
+    import ray
+
+    nodes = {ray.get_runtime_context().get_node_id()}
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    for log in logs.glob("java-core-driver-*.log"):
+        found = re.search(r"node_id=([0-9a-f]+)", log.read_text(errors="replace"))
+        if found:
+            nodes.add(found.group(1))
+    return nodes
+
+
 def node_of_this_process() -> str | None:
     """The Ray node id of the raylet this process descends from (None: not under one)."""
     raylet = raylet_of(os.getpid())
@@ -264,9 +285,18 @@ def _kill_a_worker_node(marker_dir: Path, report: dict[str, Any]) -> None:
     while not reached.exists() and time.monotonic() < deadline:
         time.sleep(0.05)  # waiting for an external event, bounded
     try:
+        drivers = driver_nodes()
+        report["driver_nodes"] = sorted(drivers)
         executors = [
-            a for a in actors() if "Executor" in a["class"] and a["state"] == "ALIVE" and a["pid"]
+            a
+            for a in actors()
+            if "Executor" in a["class"]
+            and a["state"] == "ALIVE"
+            and a["pid"]
+            and a["node"] not in drivers
         ]
+        if not executors:
+            raise RuntimeError(f"every executor runs on a node a driver is attached to ({drivers})")
         victim = executors[0]
         raylets = {node: pid for pid, node in raylet_node_ids().items()}
         os.kill(raylets[victim["node"]], signal.SIGKILL)
