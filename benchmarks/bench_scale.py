@@ -271,10 +271,12 @@ def run_config(
     coord = ray.remote(num_cpus=0, max_concurrency=max(1000, n + 16))(
         _measured_coordinator_class()
     ).remote(spec)
+    run = f"bench_scale.{time.time_ns()}"
     plan = TaskPlan(
         ray_address="",
         namespace=NAMESPACE,
-        actor_name=f"bench_scale.{time.time_ns()}",  # the task-side caches key on it
+        actor_name=run,
+        run=run,  # the task-side caches key on it
         operator=op_bytes,
         num_subtasks=n,
         numeric_columns=(None,),

@@ -370,6 +370,20 @@ class IterationCoordinator:
         (sync mode), so the cut need not ask for it in a second round trip."""
         if self._tree is not None:
             self._tree.calls += 1
+            if self._tree.groups and self.cut.accepts(attempt) and not self._failures:
+                # with group actors every subtask reports to its group: a direct call
+                # would leave its group waiting for it forever
+                self._record_failure(
+                    RemoteFailure(
+                        pid,
+                        epoch,
+                        "reporting its call",
+                        "ProtocolError",
+                        f"subtask {pid} reported to the coordinator directly, but the "
+                        f"feedback tree has group actors and it belongs to one",
+                        "",
+                    )
+                )
         got = self._accept(pid, epoch, known_version, emissions, rows, attempt)
         if isinstance(got, Reply):
             return got

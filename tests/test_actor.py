@@ -140,3 +140,35 @@ def test_async_feedback_after_termination_is_not_applied_but_outputs_are_kept():
     assert [r.value for r in data.outputs if r.tag == "total"] == [5.0]  # 7.0 never applied
     assert [r.value for r in data.outputs if r.tag == "late"] == [3]
     assert data.feedback_counts == {0: 1, 1: 0}
+
+
+def test_a_direct_report_where_the_tree_has_group_actors_fails_instead_of_hanging():
+    """With group actors (feedback_combine and more subtasks than the fan-in) every
+    subtask reports to its group, which reports for all of its members: a direct call
+    (a task-side cache of another run, say) would leave its group waiting forever. The
+    coordinator answers it with an error naming the subtask."""
+    import cloudpickle
+
+    from coordinator._tree import TreeSpec
+
+    spec = CoordinatorSpec(
+        num_subtasks=4,
+        num_streams=1,
+        staleness=0,
+        max_epochs=3,
+        has_criteria=False,
+        init_variables={"total": 0.0},
+        operators=cloudpickle.dumps((Sum(), None, [])),
+        tree=TreeSpec(cloudpickle.dumps("sum"), fan_in=2),
+    )
+    c = IterationCoordinator(spec, put=None)  # no Ray: groups are not started ...
+    c.begin_attempt(0)
+    assert c._tree is not None and len(c._tree.bounds) == 2
+    c._tree.groups = ["group 0", "group 1"]  # ... so stand in for the two of them
+
+    async def main():
+        return await asyncio.wait_for(c.report(1, 0, 0, Emissions(), [1]), 5)
+
+    reply = asyncio.run(main())
+    assert reply.terminated and reply.error is not None
+    assert reply.error.type_name == "ProtocolError" and "subtask 1 reported" in str(reply.error)

@@ -310,6 +310,7 @@ def iterate_bounded_streams_until_termination(
         ray_address=address,
         namespace=NAMESPACE,
         actor_name=name,
+        run=name,
         operator=op_bytes,
         num_subtasks=n,
         numeric_columns=tuple(s.numeric_columns for s in streams.streams),

@@ -55,6 +55,9 @@ class TaskPlan:
     per_round_operator: bytes | None = None
     #: which launch of the stage this is (0 first; retries after failures count up)
     attempt: int = 0
+    #: the run (unique per iteration): what a Python worker keys its per-run caches by,
+    #: since a coordinator actor (and so ``actor_name``) may serve several runs
+    run: str = ""
     #: subtasks restore their checkpointed state from the coordinator
     restore: bool = False
     #: feedback_combine: merge feedback in a tree (``coordinator._tree``)
@@ -131,7 +134,7 @@ class _Aborted(Exception):
 
 
 _handles: dict[tuple[str, str], Any] = {}
-#: feedback_combine: (actor, attempt, partition) -> (group actor or None, combiner)
+#: feedback_combine: (run, attempt, partition) -> (group actor or None, combiner)
 _groups: dict[tuple[str, int, int], tuple[Any, Any]] = {}
 
 
@@ -379,7 +382,7 @@ class _Subtask(_TaskSteps):
         """feedback_combine: the group actor to report to (None: the coordinator) and
         the combiner, asked of the coordinator once per launch and worker process."""
         if self._tree is None:
-            key = (self.plan.actor_name, self.plan.attempt, self.pid)
+            key = (self.plan.run, self.plan.attempt, self.pid)
             got = _groups.get(key)
             if got is None:
                 assert self.plan.tree is not None
