@@ -56,7 +56,7 @@ class _PushLoop:
     """A worker process (Ray actor) pushing fused steps, like a Spark task of ps.train."""
 
     def __init__(self, names: list[str], bounds: list[int], size: int) -> None:
-        self.client = _Shards(names, bounds, "<f8")
+        self.client = _Shards(names, bounds, "<f8", sync=False)
         self.grad = np.full(size, 1e-3)
         self.client.pull(0, 0)
 
@@ -121,7 +121,7 @@ def measure(size: int, shard_counts: list[int], repeats: int, worker_steps: int)
             names, handles = launch_shards(
                 np.zeros(size), bounds, ps.SGD(1e-3), num_workers=2, sync=False
             )
-            client = _Shards(names, bounds, "<f8")
+            client = _Shards(names, bounds, "<f8", sync=False)
             setups[shards] = (names, handles, bounds, client)
 
             def rt(client=client) -> None:

@@ -365,8 +365,9 @@ class FreeShard(_ShardCore):
         super().__init__(spec, put)
         self._direct = -1  # the version last sent as an array (not a reference)
 
-    def pull(self, epoch: int, step: int) -> tuple[int, np.ndarray | None, Any]:
-        """The newest parameters ``(version, inline values or None, object ref or None)``."""
+    def pull(self, epoch: int = 0, step: int = 0) -> tuple[int, np.ndarray | None, Any]:
+        """The newest parameters ``(version, inline values or None, object ref or None)``
+        (the step is not waited for in async mode: clients call it without arguments)."""
         self.stats["pulls"] += 1
         return self._newest()
 

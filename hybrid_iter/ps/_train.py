@@ -90,7 +90,11 @@ class TrainResult:
 class _Shards:
     """The task's handles to every shard: pull the whole vector, push a gradient."""
 
-    def __init__(self, names: Sequence[str], bounds: Sequence[int], dtype: str) -> None:
+    def __init__(
+        self, names: Sequence[str], bounds: Sequence[int], dtype: str, *, sync: bool = True
+    ) -> None:
+        """``sync``: the shards are sync-mode ones, whose pulls wait for ``(epoch, step)``;
+        async shards take no arguments (each argument of a Ray call costs ~50 us)."""
         import ray
 
         # Any, like start_shards' handles: ray types get_actor's handle as of no class
@@ -98,6 +102,7 @@ class _Shards:
         self.bounds = list(bounds)
         self.dtype = np.dtype(dtype)
         self.buffer: np.ndarray | None = None
+        self.sync = sync
 
     def _assemble(self, replies: list[Any]) -> np.ndarray:
         import ray
@@ -117,7 +122,9 @@ class _Shards:
     def pull(self, epoch: int, step: int) -> np.ndarray:
         import ray
 
-        return self._assemble(ray.get([h.pull.remote(epoch, step) for h in self.handles]))
+        if self.sync:
+            return self._assemble(ray.get([h.pull.remote(epoch, step) for h in self.handles]))
+        return self._assemble(ray.get([h.pull.remote() for h in self.handles]))
 
     def push(
         self,
@@ -166,6 +173,7 @@ class _Worker(PartitionOperator):
         batch_size: int | None,
         shuffle: bool,
         seed: int,
+        sync_shards: bool = True,
     ) -> None:
         self.grad_fn = grad_fn
         self.layout = layout
@@ -176,6 +184,7 @@ class _Worker(PartitionOperator):
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
+        self.sync_shards = sync_shards
 
     def open(self, ctx: Any) -> None:
         self.cache = ColumnCache(self.columns, self.vector_widths)
@@ -204,7 +213,9 @@ class _Worker(PartitionOperator):
     def on_epoch_watermark_incremented(self, epoch: int, ctx: Any, out: Any) -> None:
         started = time.time()
         if self.shards is None:
-            self.shards = _Shards(self.shard_names, self.bounds, self.layout.dtype)
+            self.shards = _Shards(
+                self.shard_names, self.bounds, self.layout.dtype, sync=self.sync_shards
+            )
         arrays = self.cache.arrays()
         n = self.cache.num_rows
         pid = ctx.partition_id
@@ -416,6 +427,7 @@ def train(
             batch_size=batch_size,
             shuffle=shuffle,
             seed=seed,
+            sync_shards=mode == "sync",
         )
         body = IterationBody(
             partition=worker,
