@@ -462,6 +462,17 @@ class Session:
         if is_loopback_address(gcs):
             configs.setdefault("spark.driver.host", "127.0.0.1")
             configs.setdefault("spark.driver.bindAddress", "127.0.0.1")
+        # RayDP's app master owns the executor actors: when the node it runs on is lost,
+        # Ray ends every executor with it and none comes back (a run can then only fail).
+        # It goes where the coordinator goes (the head by default) unless spark_conf
+        # places it (spark.ray.raydp_spark_master.actor.resource.<name>).
+        from ._runtime.placement import coordinator_resources as placed
+
+        master = dict(coordinator_resources) if coordinator_resources else placed()
+        if master:  # with resources, RayDP's master asks 1 CPU unless told (a head has 0)
+            master.setdefault("CPU", 0.0)
+        for name, amount in master.items():
+            configs.setdefault(f"spark.ray.raydp_spark_master.actor.resource.{name}", str(amount))
         try:
             spark = raydp.init_spark(
                 app_name, num_executors, executor_cores, executor_memory, configs=configs
