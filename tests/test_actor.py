@@ -24,7 +24,7 @@ class Sum(hi.CoordinatorOperator):
         out.publish_variables(total=self.total)
 
 
-def coordinator(n=3, staleness=0, max_epochs=3, op=None):
+def coordinator(n=3, staleness=0, max_epochs=3, op=None, tree=None):
     import cloudpickle
 
     spec = CoordinatorSpec(
@@ -35,6 +35,7 @@ def coordinator(n=3, staleness=0, max_epochs=3, op=None):
         has_criteria=False,
         init_variables={"total": 0.0},
         operators=cloudpickle.dumps((op or Sum(), None, [])),
+        tree=tree,
     )
     c = IterationCoordinator(spec, put=None)
     c.begin_attempt(0)
@@ -151,18 +152,8 @@ def test_a_direct_report_where_the_tree_has_group_actors_fails_instead_of_hangin
 
     from coordinator._tree import TreeSpec
 
-    spec = CoordinatorSpec(
-        num_subtasks=4,
-        num_streams=1,
-        staleness=0,
-        max_epochs=3,
-        has_criteria=False,
-        init_variables={"total": 0.0},
-        operators=cloudpickle.dumps((Sum(), None, [])),
-        tree=TreeSpec(cloudpickle.dumps("sum"), fan_in=2),
-    )
-    c = IterationCoordinator(spec, put=None)  # no Ray: groups are not started ...
-    c.begin_attempt(0)
+    # no Ray: groups are not started ...
+    c = coordinator(n=4, tree=TreeSpec(cloudpickle.dumps("sum"), fan_in=2))
     assert c._tree is not None and len(c._tree.bounds) == 2
     c._tree.groups = ["group 0", "group 1"]  # ... so stand in for the two of them
 
