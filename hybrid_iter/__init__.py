@@ -38,6 +38,7 @@ from ._errors import (
     RemoteFailure,
     SessionError,
     SparkOpsError,
+    StoredArraysLost,
     UsageError,
     VariablesMismatchError,
 )
@@ -94,6 +95,7 @@ __all__ = [
     "Session",
     "SessionError",
     "SparkOpsError",
+    "StoredArraysLost",
     "TerminateOnMaxIter",
     "TerminateOnMaxIterOrTol",
     "TerminationCriteria",

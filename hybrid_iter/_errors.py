@@ -18,6 +18,8 @@
     │                                        coordinator; ``failures`` maps the partition
     │                                        id (or "coordinator") to a RemoteFailure
     ├── SessionError (RuntimeError)          no session, or a session that cannot start
+    ├── StoredArraysLost (RuntimeError)      the array cache lost what a fit was to read
+    │                                        (the fit reads from Spark instead)
     ├── UsageError (RuntimeError)            an API called where it cannot be
     │                                        (``out.criteria()`` without a criteria
     │                                        stream, ``LBFGS.tell()`` once finished)
@@ -79,6 +81,7 @@ __all__ = [
     "RemoteFailure",
     "SessionError",
     "SparkOpsError",
+    "StoredArraysLost",
     "UsageError",
     "VariablesMismatchError",
 ]
@@ -90,6 +93,11 @@ class DataValidationError(HybridIterError, ValueError):
 
 class SessionError(HybridIterError, RuntimeError):
     """No usable Spark + Ray session."""
+
+
+class StoredArraysLost(HybridIterError, RuntimeError):
+    """Arrays the array cache kept from an earlier fit are gone (the store actor or a
+    node lost); ``hybrid_iter.ml`` then reads the DataFrame from Spark again."""
 
 
 class IterationFailedError(HybridIterError, RuntimeError):

@@ -17,16 +17,26 @@ Never use these in production: they end processes and sleep on purpose.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from coordinator import HybridIterError, RuntimeHooks
 
 from ._config import _is_int
 from ._errors import IterationConfigError
 
-__all__ = ["EXIT_CODE", "FaultInjection", "InjectedFault", "RuntimeHooks", "Straggler"]
+__all__ = [
+    "EXIT_CODE",
+    "FaultInjection",
+    "InjectedFault",
+    "RuntimeHooks",
+    "Straggler",
+    "lose_kept_arrays",
+]
 
 #: the status a process ended by a ``FaultInjection`` exits with
 EXIT_CODE = 17
@@ -103,3 +113,25 @@ class Straggler(RuntimeHooks):
     def after_epoch_compute(self, partition: int, seconds: float) -> None:
         if partition == self.partition:
             time.sleep((self.factor - 1.0) * seconds)
+
+
+@contextlib.contextmanager
+def lose_kept_arrays() -> Iterator[list[str]]:
+    """Inside it, a fit that decided to read arrays the array cache kept finds them gone:
+    the store actor is killed (``ray.kill``, as from outside) right after the decision,
+    before the fit's tasks read. Yields the names of the killed stores."""
+    from ._runtime import array_store
+
+    killed: list[str] = []
+
+    def kill(handle: Any) -> None:
+        import ray
+
+        ray.kill(handle, no_restart=True)
+        killed.append(repr(handle))
+
+    array_store._after_lookup = kill
+    try:
+        yield killed
+    finally:
+        array_store._after_lookup = None

@@ -31,14 +31,17 @@ from .full_partition import (
 )
 from .iteration import (
     BarrierStage,
+    CachedSource,
     ColumnChunks,
     NumpyCache,
     ReplayPlan,
     available_task_slots,
+    cached_source,
     column_to_numpy,
     exact_num_partitions,
     is_numeric_arrow_type,
     num_partitions,
+    persisted_rdd_ids,
 )
 from .local_agg import (
     LocalAggMetrics,
@@ -77,6 +80,7 @@ from .side_inputs import (
 __all__ = [
     "AggregateFunction",
     "BarrierStage",
+    "CachedSource",
     "ColumnChunks",
     "FunctionContext",
     "KeyGroupRange",
@@ -112,6 +116,7 @@ __all__ = [
     "SparkOpsError",
     "SparkOpsIndexError",
     "available_task_slots",
+    "cached_source",
     "column_to_numpy",
     "exact_num_partitions",
     "full_window_partition",
@@ -121,6 +126,7 @@ __all__ = [
     "key_group_range",
     "local_key_by",
     "num_partitions",
+    "persisted_rdd_ids",
     "redistribute",
     "with_side_inputs",
 ]

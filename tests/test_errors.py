@@ -61,6 +61,7 @@ def test_the_root_is_the_same_class_in_both_packages():
         (hi.ConfigTypeError, ValueError),
         (hi.DataValidationError, ValueError),
         (hi.SessionError, RuntimeError),
+        (hi.StoredArraysLost, RuntimeError),
         (hi.IterationFailedError, RuntimeError),
         (hi.UsageError, RuntimeError),
         (hi.VariablesMismatchError, ValueError),

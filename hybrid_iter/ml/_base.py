@@ -5,15 +5,20 @@ and the model base class with ``save``/``load``. Runs on the driver.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import numpy as np
 
+from spark_ops import available_task_slots
+
 from .._body import IterationBody
 from .._config import IterationConfig
-from .._errors import IterationConfigError
+from .._errors import IterationConfigError, IterationFailedError, StoredArraysLost
 from .._result import IterationResult
+from .._runtime.array_store import forget, plan_reuse
 from .._runtime.iterate import iterate_bounded_streams_until_termination
 from .._streams import DataStream, ReplayableDataStreamList, _is_dataframe
 from ._features import FeaturePlan
@@ -30,6 +35,8 @@ __all__ = [
     "check_number",
     "check_optional_column",
     "run_iteration",
+    "run_with_array_cache",
+    "with_array_cache",
 ]
 
 MODES = ("sync", "async", "ssp")
@@ -158,9 +165,15 @@ def run_iteration(
     progress_tag: str = "loss",
     max_epochs: int | None = None,
 ) -> IterationResult:
-    """One iteration over the plan's columns of ``df`` (read once into each subtask)."""
-    data = df.select(*plan.input_columns)
-    stream = DataStream(data, numeric_columns=plan.scalar_columns or None)
+    """One iteration over the plan's columns of ``df`` (read once into each subtask);
+    with ``plan.stored`` reading, over a stand-in of one row per partition (the tasks
+    read their arrays from the array cache, ``with_array_cache``)."""
+    if plan.stored is not None and plan.stored.read:
+        n = plan.stored.num_partitions
+        stream = DataStream(df.sparkSession.range(0, n, 1, n))
+    else:
+        data = df.select(*plan.input_columns)
+        stream = DataStream(data, numeric_columns=plan.scalar_columns or None)
     config = IterationConfig(
         staleness=staleness,
         parallelism=parallelism,
@@ -172,6 +185,57 @@ def run_iteration(
     return iterate_bounded_streams_until_termination(
         init, ReplayableDataStreamList.not_replay(stream), config, body
     )
+
+
+def with_array_cache(df: Any, plan: FeaturePlan, parallelism: int | None) -> FeaturePlan:
+    """``plan`` with the array cache's decision for a fit of ``df`` (driver, no Spark
+    job): read the arrays an earlier fit of the same cached data kept, keep the ones
+    this fit reads, or neither (``_runtime.array_store``)."""
+    data = df.select(*plan.input_columns)
+    n = parallelism or available_task_slots(df.sparkSession)
+    stored = plan_reuse(data, plan.decoding, n)
+    return replace(plan, stored=stored)
+
+
+def _stored_arrays_lost(ex: BaseException) -> bool:
+    """True when a fit failed because arrays it was to read from the cache are gone."""
+    failures = getattr(ex, "failures", None) or {}
+    return any(isinstance(getattr(f, "cause", None), StoredArraysLost) for f in failures.values())
+
+
+def run_with_array_cache(
+    owner: str,
+    df: Any,
+    plan: FeaturePlan,
+    build: Callable[[FeaturePlan], tuple[Mapping[str, Any], IterationBody]],
+    *,
+    parallelism: int | None,
+    **kwargs: Any,
+) -> tuple[IterationResult, str]:
+    """``run_iteration`` of the body ``build(plan)`` gives for the array cache's plan
+    (``with_array_cache``), and where the data came from: ``"array cache"`` or
+    ``"spark"``. Arrays found gone mid-fit (``StoredArraysLost``: the store actor or a
+    node lost) cost one warning and a rerun from Spark, never the fit."""
+    reuse = True
+    while True:
+        run_plan = with_array_cache(df, plan, parallelism) if reuse else plan
+        init, body = build(run_plan)
+        try:
+            result = run_iteration(df, run_plan, init, body, parallelism=parallelism, **kwargs)
+        except IterationFailedError as ex:
+            if run_plan.stored is None or not _stored_arrays_lost(ex):
+                raise
+            forget(run_plan.stored)
+            warnings.warn(
+                f"{owner}: arrays the array cache kept from an earlier fit are gone "
+                f"({next(iter(ex.failures.values()))}); reading the DataFrame from Spark",
+                UserWarning,
+                stacklevel=5,
+            )
+            reuse = False
+            continue
+        read = run_plan.stored is not None and run_plan.stored.read
+        return result, "array cache" if read else "spark"
 
 
 class Model:

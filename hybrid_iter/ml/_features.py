@@ -31,6 +31,7 @@ from spark_ops import column_to_numpy, is_numeric_arrow_type
 from spark_ops.iteration.partition_cache import ColumnChunks
 
 from .._errors import DataValidationError, IterationConfigError, UsageError
+from .._runtime.array_store import StoredArrays, keep_arrays, read_arrays
 
 __all__ = [
     "ColumnCache",
@@ -53,7 +54,8 @@ class FeaturePlan:
 
     ``kind`` is ``"vector"`` (one ``VectorUDT`` column), ``"array"`` (one array of
     numbers column) or ``"columns"`` (numeric columns, one feature each); ``dim`` is the
-    number of features.
+    number of features. ``stored``: the array cache's decision for this fit (read the
+    arrays an earlier fit kept, or keep the ones read now; ``_runtime.array_store``).
     """
 
     kind: str
@@ -61,6 +63,12 @@ class FeaturePlan:
     dim: int
     label: str | None = None
     weight: str | None = None
+    stored: StoredArrays | None = None
+
+    @property
+    def decoding(self) -> tuple[Any, ...]:
+        """What makes the decoded arrays what they are (the array cache's key has it)."""
+        return ("features", self.kind, self.columns, self.dim, self.label, self.weight)
 
     @property
     def input_columns(self) -> tuple[str, ...]:
@@ -264,18 +272,32 @@ class FeatureCache:
     """A partition's features as one matrix, its labels and weights. Runs in a Spark task.
 
     ``add(batch)`` for every Arrow batch, then ``matrix()``, ``label()``, ``weight()``.
+    With ``plan.stored`` reading, the arrays come from the array cache instead (the
+    batches are the stand-in's, one row per partition) and are read-only; writing,
+    ``keep()`` (once the rows are validated) hands them to it.
     """
 
-    def __init__(self, plan: FeaturePlan) -> None:
+    def __init__(self, plan: FeaturePlan, partition: int = -1) -> None:
         self.plan = plan
+        self.partition = partition
         self._chunks = ColumnChunks()
         self._sealed: tuple[np.ndarray, np.ndarray | None, np.ndarray | None] | None = None
+        self._kept = False
+        self._standin: list[int] = []
         self.num_rows = 0
 
     def add(self, batch: pa.RecordBatch) -> None:
         if self._sealed is not None:
             raise UsageError("FeatureCache.add() after matrix(): the cache is sealed")
         p = self.plan
+        if p.stored is not None and p.stored.read:
+            if batch.schema.names != ["id"]:
+                raise UsageError(
+                    f"FeatureCache reads partition {self.partition} from the array cache "
+                    f"but was given data with columns {batch.schema.names}"
+                )
+            self._standin.extend(batch.column(0).to_pylist())
+            return
         if p.kind == COLUMNS:
             for name in p.columns:
                 self._chunks.add(name, column_to_numpy(batch, name))
@@ -297,14 +319,40 @@ class FeatureCache:
     def _seal(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         if self._sealed is None:
             p = self.plan
+            if p.stored is not None and p.stored.read:
+                if self._standin != [self.partition]:  # the stage is not the one planned
+                    raise UsageError(
+                        f"subtask {self.partition} reads its arrays from the array cache "
+                        f"but got the stand-in rows {self._standin[:5]}, not "
+                        f"[{self.partition}]: the fit must run exactly "
+                        f"{p.stored.num_partitions} subtasks, one per cached partition"
+                    )
+                self._sealed = read_arrays(p.stored, self.partition)
+                self.num_rows = len(self._sealed[0])
+                return self._sealed
             if p.kind == COLUMNS:
                 x = self._chunks.matrix(p.columns, self.num_rows, [1] * len(p.columns))
             else:  # decoded (rows, dim) chunks of one column
                 x = self._chunks.matrix(p.columns[:1], self.num_rows, [p.dim])
             label = self._chunks.join(_LABEL) if p.label is not None else None
             weight = self._chunks.join(_WEIGHT) if p.weight is not None else None
+            if p.stored is not None:  # kept for later fits: nobody may write into them
+                for a in (x, label, weight):
+                    if a is not None:
+                        a.flags.writeable = False
             self._sealed = (x, label, weight)
         return self._sealed
+
+    def keep(self) -> None:
+        """Hand the arrays to the array cache when this fit writes it (once; call after
+        the rows passed validation)."""
+        p = self.plan
+        if p.stored is None or p.stored.read or self._kept:
+            return
+        self._kept = True
+        arrays = self._seal()
+        nbytes = sum(a.nbytes for a in arrays if a is not None)
+        keep_arrays(p.stored, self.partition, arrays, nbytes)
 
     def matrix(self) -> np.ndarray:
         return self._seal()[0]

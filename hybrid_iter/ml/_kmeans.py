@@ -158,7 +158,7 @@ class _KMeansTask(PartitionOperator):
         self.hooks = hooks
 
     def open(self, ctx: Any) -> None:
-        self.cache = FeatureCache(self.plan)
+        self.cache = FeatureCache(self.plan, ctx.partition_id)
         self.X: np.ndarray | None = None
         self.dmin: np.ndarray | None = None
         self.seen = 0  # candidates already folded into dmin
@@ -177,6 +177,9 @@ class _KMeansTask(PartitionOperator):
                     f"the features {list(self.plan.columns)} hold NaN or infinite values in "
                     f"partition {ctx.partition_id}; clean them first"
                 )
+            # validated: the array cache may keep them (before any scaling below, which
+            # makes a copy: kept arrays are read-only and other fits read them as read)
+            self.cache.keep()
             if self.cosine:
                 norms = np.linalg.norm(X, axis=1)
                 if (norms == 0).any():
@@ -184,7 +187,7 @@ class _KMeansTask(PartitionOperator):
                         "distance_measure='cosine' is not defined for zero-length vectors; "
                         f"partition {ctx.partition_id} holds {int((norms == 0).sum())} of them"
                     )
-                X /= norms[:, None]
+                X = X / norms[:, None]
             self.X = X
             self.sq = np.einsum("ij,ij->i", X, X)
         return self.X

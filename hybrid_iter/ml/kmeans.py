@@ -25,8 +25,8 @@ from coordinator import RuntimeHooks
 
 from .._body import IterationBody
 from .._errors import IterationConfigError
-from ._base import check_column, check_dataframe, check_features_col, run_iteration
-from ._features import COLUMNS, resolve_features
+from ._base import check_column, check_dataframe, check_features_col, run_with_array_cache
+from ._features import COLUMNS, FeaturePlan, resolve_features
 from ._kmeans import PICK, _KMeansServer, _KMeansTask, _normalise_rows, nearest_centres
 from ._stages import (
     ParamSpec,
@@ -81,7 +81,8 @@ class KMeansSummary:
     squared distances, or of ``1 - cos``), ``training_cost`` (the last), ``iterations``
     (Lloyd's), ``converged`` (no centre moved more than ``tol`` in the last one),
     ``empty_clusters`` (in the last one), wall ``seconds``, ``epochs`` (passes over the
-    data, the initialisation's included). MLlib's names ``trainingCost``, ``numIter``
+    data, the initialisation's included), ``data_source`` (``"spark"``, or ``"array
+    cache"``: arrays an earlier fit of the same cached DataFrame kept). MLlib's names ``trainingCost``, ``numIter``
     and ``k`` work too."""
 
     k: int
@@ -92,6 +93,7 @@ class KMeansSummary:
     empty_clusters: int
     seconds: float
     epochs: int
+    data_source: str = "spark"
 
     @property
     def trainingCost(self) -> float:
@@ -135,25 +137,26 @@ class KMeans(StageEstimator):
             "state": np.array([PICK, 0, 0], dtype=np.int64),
             "cost": 0.0,
         }
-        body = IterationBody(
-            partition=_KMeansTask(plan, k, random_init, seed, cosine, hooks),
-            coordinator=_KMeansServer(
-                k=k,
-                random_init=random_init,
-                init_steps=init_steps,
-                max_iter=max_iter,
-                tol=tol,
-                seed=seed,
-                cosine=cosine,
-            ),
-            criteria=True,
+        server = _KMeansServer(
+            k=k,
+            random_init=random_init,
+            init_steps=init_steps,
+            max_iter=max_iter,
+            tol=tol,
+            seed=seed,
+            cosine=cosine,
         )
+
+        def build(run_plan: FeaturePlan) -> tuple[dict[str, Any], IterationBody]:
+            task = _KMeansTask(run_plan, k, random_init, seed, cosine, hooks)
+            return init, IterationBody(partition=task, coordinator=server, criteria=True)
+
         t = time.perf_counter()
-        result = run_iteration(
+        result, source = run_with_array_cache(
+            owner,
             dataset,
             plan,
-            init,
-            body,
+            build,
             staleness=0,
             parallelism=v("parallelism"),
             progress=v("progress"),
@@ -172,6 +175,7 @@ class KMeans(StageEstimator):
             empty_clusters=int(empty[-1]) if empty else 0,
             seconds=time.perf_counter() - t,
             epochs=result.epochs,
+            data_source=source,
         )
         arrays = {
             "centres": np.array(result.variables["centres"], dtype=np.float64),

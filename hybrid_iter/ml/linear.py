@@ -45,6 +45,7 @@ from ._base import (
     check_mode,
     check_optional_column,
     run_iteration,
+    run_with_array_cache,
 )
 from ._features import ARRAY, COLUMNS, VECTOR, FeaturePlan, resolve_features
 from ._glm import (
@@ -95,7 +96,9 @@ class TrainingSummary:
     """What a fit did: the objective at the start and after every iteration
     (``objective_history``; ``solver="sgd"``: the loss of every epoch or update),
     ``total_iterations``, ``solver``, ``converged``, why it stopped, wall ``seconds``,
-    ``epochs`` (passes over the data, line-search trials included). MLlib's names
+    ``epochs`` (passes over the data, line-search trials included), ``data_source``
+    (``"spark"``, or ``"array cache"`` when the arrays an earlier fit of the same cached
+    DataFrame decoded were read instead, ``docs/ml.md``). MLlib's names
     ``objectiveHistory`` and ``totalIterations`` work too."""
 
     objective_history: list[float]
@@ -107,6 +110,7 @@ class TrainingSummary:
     epochs: int
     family: str = ""
     warnings: list[str] = field(default_factory=list)
+    data_source: str = "spark"
 
     @property
     def objectiveHistory(self) -> list[float]:
@@ -327,18 +331,24 @@ def _fit_glm(
             tol=float(v("tol")),
             label=str(v("label_col")),
         )
-        body = IterationBody(
-            partition=_GLMTask(plan, family, gram=solver == "normal"),
-            coordinator=_GLMServer(spec),
-            criteria=True,
-            feedback_combine=GLMCombiner(),
-        )
-        init = {"phase": 0, "coef": np.zeros((rows, plan.dim)), "intercept": np.zeros(rows)}
-        result = run_iteration(
+
+        def build(
+            run_plan: FeaturePlan, spec: FitSpec = spec, rows: int = rows
+        ) -> tuple[dict[str, Any], IterationBody]:
+            body = IterationBody(
+                partition=_GLMTask(run_plan, family, gram=solver == "normal"),
+                coordinator=_GLMServer(spec),
+                criteria=True,
+                feedback_combine=GLMCombiner(),
+            )
+            init = {"phase": 0, "coef": np.zeros((rows, plan.dim)), "intercept": np.zeros(rows)}
+            return init, body
+
+        result, source = run_with_array_cache(
+            owner,
             df,
             plan,
-            init,
-            body,
+            build,
             staleness=0,
             parallelism=v("parallelism"),
             progress=v("progress"),
@@ -364,6 +374,7 @@ def _fit_glm(
         epochs=result.epochs,
         family=str(info["family"]),
         warnings=list(info["warnings"]),
+        data_source=source,
     )
     for w in summary.warnings:
         warnings.warn(f"{owner}: {w}", UserWarning, stacklevel=4)

@@ -1,6 +1,7 @@
 """The iteration plumbing on the Spark side: the barrier stage that runs every subtask
 of an iteration at once (``barrier``) and the Arrow -> numpy cache each subtask reads
-its data into once (``partition_cache``)."""
+its data into once (``partition_cache``), and which cached RDD a DataFrame reads
+unchanged (``cached``)."""
 
 from .barrier import (
     BarrierStage,
@@ -9,16 +10,20 @@ from .barrier import (
     exact_num_partitions,
     num_partitions,
 )
+from .cached import CachedSource, cached_source, persisted_rdd_ids
 from .partition_cache import ColumnChunks, NumpyCache, column_to_numpy, is_numeric_arrow_type
 
 __all__ = [
     "BarrierStage",
+    "CachedSource",
     "ColumnChunks",
     "NumpyCache",
     "ReplayPlan",
     "available_task_slots",
+    "cached_source",
     "column_to_numpy",
     "exact_num_partitions",
     "is_numeric_arrow_type",
     "num_partitions",
+    "persisted_rdd_ids",
 ]

@@ -1,0 +1,385 @@
+"""The array cache: the numpy arrays a fit decoded from a cached DataFrame, kept in Ray's
+object store for the next fit of the same data (``hybrid_iter.ml``).
+
+Why: a one-pass fit (least squares by the normal equations) spends most of its time
+handing the cached rows from Spark's JVM to Python (Arrow) and decoding them; a second
+fit of the same cached DataFrame (another ``reg``, a grid search, ``CrossValidator``'s
+param maps on a cached fold, a refit after a look at the summary) gets the same arrays
+again. Kept, they are read zero-copy from the object store instead.
+
+Which data is "the same" (``spark_ops.cached_source``): the fit's DataFrame reads plain
+columns of one cached DataFrame, nothing computed on top, and the fit has as many
+subtasks as the cached RDD has partitions (no repartition), so subtask ``p`` reads
+cached partition ``p``. The key is (application id, cached RDD id, which columns, how
+they are decoded); RDD ids are never reused in an application, and an entry is dropped
+as soon as its RDD is no longer persisted (checked on the driver before each fit), so an
+unpersisted, re-cached or changed DataFrame is always read from Spark again.
+
+Who holds what:
+
+* the driver's ``ArrayStore`` actor (one per driver, ``num_cpus=0``, placed with the
+  coordinator, ends with the driver): the keys and the object references;
+* the objects: a fit's Spark task puts its arrays into the object store and hands the
+  reference to the store, which copies them into an object of its own (an object dies
+  with the process that put it, and Spark ends idle Python workers; Ray >= 2.56 has no
+  ``ray.put(_owner=...)``). The task does not wait for the copy: it keeps its reference
+  alive in its worker until the store has it; a worker gone before that only means the
+  partition is not kept;
+* a bound: ``capacity`` bytes (least recently used keys go first; a key larger than it
+  is not kept and not written again).
+
+A fit decides on the driver (``plan_reuse``): READ (every partition is kept: the stage
+runs over a stand-in of one row per partition and the tasks read the arrays), WRITE
+(the tasks read from Spark and keep what they decoded) or nothing. A READ that finds an
+array gone (the store actor killed, a node lost) fails its task with
+``StoredArraysLost``; the fit then forgets the key and runs from Spark (``hybrid_iter.ml``
+does it once, with a warning).
+
+Spark's conf ``spark.hybrid_iter.ml.arrayCache`` (``true`` by default) turns it off,
+``spark.hybrid_iter.ml.arrayCacheBytes`` bounds it (default: a quarter of the cluster's
+object store memory); both are read at each fit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from spark_ops import cached_source, persisted_rdd_ids
+
+from .._errors import StoredArraysLost
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CONF_BYTES",
+    "CONF_ENABLED",
+    "ArrayStore",
+    "StoredArrays",
+    "forget",
+    "keep_arrays",
+    "plan_reuse",
+    "read_arrays",
+    "store_stats",
+]
+
+CONF_ENABLED = "spark.hybrid_iter.ml.arrayCache"
+CONF_BYTES = "spark.hybrid_iter.ml.arrayCacheBytes"
+#: without CONF_BYTES: this share of the cluster's object store memory
+DEFAULT_SHARE = 0.25
+
+READ, WRITE = "read", "write"
+
+
+@dataclass(frozen=True)
+class StoredArrays:
+    """What a fit's tasks need: the store actor's name, the key, READ or WRITE."""
+
+    store: str
+    key: tuple[Any, ...]
+    mode: str
+    num_partitions: int
+
+    @property
+    def read(self) -> bool:
+        return self.mode == READ
+
+
+@dataclass
+class _Entry:
+    num_partitions: int
+    parts: dict[int, tuple[Any, int]]  # partition -> ([ObjectRef], bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b for _, b in self.parts.values())
+
+    @property
+    def complete(self) -> bool:
+        return len(self.parts) == self.num_partitions
+
+
+class ArrayStore:
+    """The Ray actor holding the keys and object references (one thread: its methods
+    never interleave). Keys are ``(app_id, rdd_id, ...)``."""
+
+    def __init__(self) -> None:
+        self.entries: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
+        self.refused: set[tuple[Any, ...]] = set()
+        self.capacity = 0
+        self.counts = {"reads": 0, "writes": 0, "evicted": 0, "purged": 0, "refused": 0}
+
+    def ready(self) -> bool:
+        return True
+
+    def purge(self, app_id: str, alive: list[int] | frozenset[int]) -> None:
+        """Forget every key of another application or of an RDD no longer persisted."""
+        alive = frozenset(alive)
+        for key in [k for k in self.entries if k[0] != app_id or k[1] not in alive]:
+            del self.entries[key]
+            self.counts["purged"] += 1
+        self.refused = {k for k in self.refused if k[0] == app_id and k[1] in alive}
+
+    def lookup(self, key: tuple[Any, ...], n: int, alive: list[int], capacity: int) -> str | None:
+        """READ, WRITE or None (the key is larger than the capacity); forgets every
+        key whose RDD is no longer persisted first."""
+        self.capacity = int(capacity)
+        self.purge(key[0], alive)
+        if key in self.refused:
+            return None
+        entry = self.entries.get(key)
+        if entry is not None and entry.num_partitions == n and entry.complete:
+            self.entries.move_to_end(key)
+            self.counts["reads"] += 1
+            return READ
+        if entry is not None and entry.num_partitions != n:
+            del self.entries[key]
+        self.counts["writes"] += 1
+        return WRITE
+
+    def refs(self, key: tuple[Any, ...], pid: int) -> Any:
+        """``[ObjectRef]`` of a kept partition, None when it is gone."""
+        entry = self.entries.get(key)
+        if entry is None or pid not in entry.parts:
+            return None
+        return entry.parts[pid][0]
+
+    def adopt(self, key: tuple[Any, ...], pid: int, n: int, refs: list[Any], nbytes: int) -> bool:
+        """Keep a copy of partition ``pid`` of ``key`` (``refs``: ``[ObjectRef]`` the
+        task put), owned by this actor; False when it does not fit (the key is then
+        refused until its RDD goes) or cannot be read."""
+        import ray
+
+        if not self._make_room(key, pid, n, int(nbytes)):
+            return False
+        try:
+            value = ray.get(refs[0])
+            own = ray.put(value)  # a copy this process owns
+            del value
+        except Exception:
+            return False
+        return self.add(key, pid, n, [own], nbytes)
+
+    def _make_room(self, key: tuple[Any, ...], pid: int, n: int, nbytes: int) -> bool:
+        if key in self.refused:
+            return False
+        entry = self.entries.get(key)
+        have = 0 if entry is None or entry.num_partitions != n else entry.nbytes
+        if entry is not None and pid in entry.parts and entry.num_partitions == n:
+            have -= entry.parts[pid][1]
+        # a whole key is expected to take about n times a partition's bytes
+        expected = max(have + nbytes, nbytes * n)
+        if expected > self.capacity:
+            self.entries.pop(key, None)
+            self.refused.add(key)
+            self.counts["refused"] += 1
+            return False
+        others = sum(e.nbytes for k, e in self.entries.items() if k != key)
+        while others + expected > self.capacity:
+            oldest = next(k for k in self.entries if k != key)
+            others -= self.entries.pop(oldest).nbytes
+            self.counts["evicted"] += 1
+        return True
+
+    def add(self, key: tuple[Any, ...], pid: int, n: int, refs: list[Any], nbytes: int) -> bool:
+        """Keep partition ``pid`` of ``key`` (``refs``: ``[ObjectRef]`` this actor
+        owns); False when it does not fit."""
+        if not self._make_room(key, pid, n, int(nbytes)):
+            return False
+        entry = self.entries.get(key)
+        if entry is None or entry.num_partitions != n:
+            entry = self.entries[key] = _Entry(n, {})
+        entry.parts[pid] = (refs, int(nbytes))
+        self.entries.move_to_end(key)
+        return True
+
+    def drop(self, key: tuple[Any, ...]) -> None:
+        self.entries.pop(key, None)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.counts,
+            "keys": len(self.entries),
+            "bytes": sum(e.nbytes for e in self.entries.values()),
+            "capacity": self.capacity,
+        }
+
+
+# -- driver ----------------------------------------------------------------------------------
+
+_STORES: dict[Any, tuple[Any, str]] = {}
+
+
+def _store(create: bool) -> tuple[Any, str] | None:
+    """This driver's store actor (started on first use), and its name."""
+    import uuid
+
+    import ray
+
+    from .placement import actor_class, launch
+
+    if not ray.is_initialized():
+        return None
+    job = ray.get_runtime_context().get_job_id()
+    got = _STORES.get(job)
+    if got is None and create:
+        _STORES.clear()  # an earlier Ray job's
+        name = f"hybrid_iter.arrays.{uuid.uuid4().hex[:12]}"
+        got = _STORES[job] = (launch(actor_class(ArrayStore), name), name)
+    return got
+
+
+def _capacity(spark: Any) -> int:
+    text = spark.conf.get(CONF_BYTES, None)
+    if text is not None:
+        return int(text)
+    import ray
+
+    total = ray.cluster_resources().get("object_store_memory", 0.0)
+    return int(total * DEFAULT_SHARE)
+
+
+def enabled(spark: Any) -> bool:
+    text = str(spark.conf.get(CONF_ENABLED, "true")).strip().lower()
+    if text not in ("true", "false"):
+        from .._errors import IterationConfigError
+
+        raise IterationConfigError(
+            f"Spark conf {CONF_ENABLED}={text!r} must be 'true' or 'false' (spark.conf.set("
+            f"{CONF_ENABLED!r}, 'false') turns the array cache off)"
+        )
+    if spark.conf.get(CONF_BYTES, None) is not None:
+        try:
+            if int(spark.conf.get(CONF_BYTES)) < 0:
+                raise ValueError
+        except ValueError:
+            from .._errors import IterationConfigError
+
+            raise IterationConfigError(
+                f"Spark conf {CONF_BYTES}={spark.conf.get(CONF_BYTES)!r} must be a number "
+                f"of bytes >= 0 (0 keeps nothing)"
+            ) from None
+    return text == "true"
+
+
+def plan_reuse(data: Any, describe: tuple[Any, ...], num_subtasks: int) -> StoredArrays | None:
+    """READ / WRITE for a fit over ``data`` (the DataFrame its tasks would read) with
+    ``num_subtasks`` subtasks, the arrays decoded as ``describe`` says; None when the
+    cache cannot serve this fit (turned off, not a cached DataFrame read whole, a
+    repartition, larger than the capacity). Runs on the driver; no Spark job."""
+    spark = data.sparkSession
+    on = enabled(spark)
+    source = cached_source(data) if on else None
+    if source is None or source.num_partitions != num_subtasks:
+        got = _store(create=False)
+        if got is not None:  # drop what is not needed any more (off: everything)
+            app = str(spark.sparkContext.applicationId) if on else ""
+            alive = sorted(persisted_rdd_ids(spark)) if on else []
+            got[0].purge.remote(app, alive)
+        return None
+    import ray
+
+    from .iterate import _ray_address
+    from .ray_util import NAMESPACE, connect
+
+    connect(_ray_address(spark), namespace=NAMESPACE)
+    got = _store(create=True)
+    assert got is not None
+    handle, name = got
+    key = (source.app_id, source.rdd_id, source.ordinals, *describe)
+    alive = sorted(persisted_rdd_ids(spark))
+    try:
+        mode = ray.get(handle.lookup.remote(key, num_subtasks, alive, _capacity(spark)))
+    except Exception as ex:  # the store died: start a new one next time
+        log.warning("hybrid_iter: the array cache is unavailable (%s); reading from Spark", ex)
+        _STORES.clear()
+        return None
+    if mode == READ and _after_lookup is not None:
+        _after_lookup(handle)
+    return None if mode is None else StoredArrays(name, key, mode, num_subtasks)
+
+
+#: test-only (``hybrid_iter.testing.lose_kept_arrays``): called with the store's handle
+#: when a fit has decided to read kept arrays
+_after_lookup: Any = None
+
+
+def forget(stored: StoredArrays) -> None:
+    """Drop a key the fit could not read back (driver); never raises."""
+    import ray
+
+    got = _store(create=False)
+    if got is not None:
+        try:
+            ray.get(got[0].drop.remote(stored.key))
+        except Exception:
+            _STORES.clear()
+
+
+def store_stats() -> dict[str, Any] | None:
+    """The store's counters (reads, writes, evicted, purged, refused, keys, bytes), or
+    None before the first fit that could use it (driver)."""
+    import ray
+
+    got = _store(create=False)
+    return None if got is None else dict(ray.get(got[0].stats.remote()))
+
+
+# -- Spark task --------------------------------------------------------------------------------
+
+_HANDLES: dict[str, Any] = {}
+
+
+def _handle(name: str) -> Any:
+    import ray
+
+    from .ray_util import NAMESPACE
+
+    handle = _HANDLES.get(name)
+    if handle is None:
+        _HANDLES.clear()
+        handle = _HANDLES[name] = ray.get_actor(name, namespace=NAMESPACE)
+    return handle
+
+
+def read_arrays(stored: StoredArrays, pid: int) -> Any:
+    """Partition ``pid``'s kept arrays (zero-copy, read-only views of the object store);
+    ``StoredArraysLost`` when they are gone. Runs in a Spark task (Ray connected)."""
+    import ray
+
+    try:
+        refs = ray.get(_handle(stored.store).refs.remote(stored.key, pid))
+        if refs is None:
+            raise KeyError(pid)
+        return ray.get(refs[0])
+    except Exception as ex:
+        raise StoredArraysLost(
+            f"partition {pid}'s arrays kept from an earlier fit are gone "
+            f"({type(ex).__name__}: {ex}); the fit reads the DataFrame from Spark again"
+        ) from None
+
+
+#: (the task's object, the store's adopt call) until the store has copied the object
+_PENDING: list[tuple[Any, Any]] = []
+
+
+def keep_arrays(stored: StoredArrays, pid: int, arrays: Any, nbytes: int) -> None:
+    """Put partition ``pid``'s arrays into the object store and hand them to the store
+    actor, which keeps a copy of its own; the reference stays alive in this worker
+    process until it has. Never raises, never waits for the copy (an optimisation).
+    Runs in a Spark task."""
+    import ray
+
+    try:
+        if _PENDING:
+            done, _ = ray.wait([c for _, c in _PENDING], num_returns=len(_PENDING), timeout=0)
+            finished = set(done)
+            _PENDING[:] = [(r, c) for r, c in _PENDING if c not in finished]
+        store = _handle(stored.store)
+        ref = ray.put(arrays)
+        call = store.adopt.remote(stored.key, pid, stored.num_partitions, [ref], nbytes)
+        _PENDING.append((ref, call))
+    except Exception as ex:
+        log.warning("hybrid_iter: partition %d's arrays not kept: %s", pid, ex)

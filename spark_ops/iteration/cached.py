@@ -1,0 +1,80 @@
+"""Which cached data a DataFrame reads, told from its plan without a Spark job (driver).
+
+``cached_source(df)`` answers "does ``df`` read exactly the columns of one cached
+DataFrame, nothing computed on top?": its optimized plan is Spark's cache relation
+(``InMemoryRelation``) alone, or a projection of plain columns of it (no filter, no
+expression, no join). Then every task of ``df`` reads partition ``p`` of the cached
+RDD as it is, and the answer names that RDD (``rdd_id``) and which of its columns
+(``ordinals``). While the RDD stays persisted Spark serves the same rows for it; RDD ids
+are never reused within an application, so ``(application id, rdd_id, ordinals)`` names
+the same data for as long as ``rdd_id`` is in ``persisted_rdd_ids``. Unpersisting (or
+``spark.catalog.clearCache()``, or recaching after the source changed) ends it: a
+DataFrame cached again gets a new RDD.
+
+What the application id cannot tell: a cached DataFrame whose blocks Spark evicted and
+recomputes (``StorageLevel.MEMORY_ONLY`` under memory pressure) over a source that
+changed meanwhile; Spark itself then serves different rows to different jobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CachedSource", "cached_source", "persisted_rdd_ids"]
+
+
+@dataclass(frozen=True)
+class CachedSource:
+    """The cached RDD a DataFrame reads whole, and which of its columns, in order."""
+
+    app_id: str
+    rdd_id: int
+    ordinals: tuple[int, ...]
+    num_partitions: int
+
+
+def _seq(s: Any) -> list[Any]:
+    return [s.apply(i) for i in range(s.length())]
+
+
+def cached_source(df: Any) -> CachedSource | None:
+    """The cached data ``df`` reads unchanged, or None (not cached, or computed on)."""
+    try:
+        plan = df._jdf.queryExecution().optimizedPlan()
+        kind = plan.getClass().getSimpleName()
+        if kind == "Project":
+            relation = plan.child()
+            items = _seq(plan.projectList())
+        elif kind == "InMemoryRelation":
+            relation, items = plan, None
+        else:
+            return None
+        if relation.getClass().getSimpleName() != "InMemoryRelation":
+            return None
+        output = [a.exprId().id() for a in _seq(relation.output())]
+        if items is None:
+            ordinals = tuple(range(len(output)))
+        else:
+            if any(i.getClass().getSimpleName() != "AttributeReference" for i in items):
+                return None  # an expression or an alias: computed on the cached rows
+            where = {e: k for k, e in enumerate(output)}
+            ids = [i.exprId().id() for i in items]
+            if any(e not in where for e in ids):
+                return None
+            ordinals = tuple(where[e] for e in ids)
+        rdd = relation.cacheBuilder().cachedColumnBuffers()  # defines the RDD, no job
+        return CachedSource(
+            app_id=str(df.sparkSession.sparkContext.applicationId),
+            rdd_id=int(rdd.id()),
+            ordinals=ordinals,
+            num_partitions=int(rdd.getNumPartitions()),
+        )
+    except Exception:  # a plan shape this Spark version builds differently: not cached
+        return None
+
+
+def persisted_rdd_ids(spark: Any) -> frozenset[int]:
+    """The ids of the RDDs the application keeps persisted now (driver, no job)."""
+    keys = spark.sparkContext._jsc.getPersistentRDDs().keySet().toArray()
+    return frozenset(int(k) for k in keys)
