@@ -186,7 +186,10 @@ connect(sys.argv[1])
 stored = array_store.StoredArrays(sys.argv[2], ("app", 1, "k"), "write", 1)
 x = np.asfortranarray(np.arange(12.0).reshape(4, 3))
 array_store.keep_arrays(stored, 0, (x, np.ones(4), None), x.nbytes + 32)
-ray.get(array_store._PENDING[-1][1])  # the store has its copy; then this process ends
+# wait until the store has its copy (the task's object is released then), then end
+store = array_store._handle(sys.argv[2])
+while array_store._PENDING:
+    ray.get(store.ready.remote())
 """
 
 

@@ -361,8 +361,9 @@ def read_arrays(stored: StoredArrays, pid: int) -> Any:
         ) from None
 
 
-#: (the task's object, the store's adopt call) until the store has copied the object
-_PENDING: list[tuple[Any, Any]] = []
+#: the task's objects until the store has copied them (then released: the object store
+#: would otherwise hold both copies for as long as this Python worker lives)
+_PENDING: dict[int, Any] = {}
 
 
 def keep_arrays(stored: StoredArrays, pid: int, arrays: Any, nbytes: int) -> None:
@@ -373,13 +374,11 @@ def keep_arrays(stored: StoredArrays, pid: int, arrays: Any, nbytes: int) -> Non
     import ray
 
     try:
-        if _PENDING:
-            done, _ = ray.wait([c for _, c in _PENDING], num_returns=len(_PENDING), timeout=0)
-            finished = set(done)
-            _PENDING[:] = [(r, c) for r, c in _PENDING if c not in finished]
         store = _handle(stored.store)
         ref = ray.put(arrays)
         call = store.adopt.remote(stored.key, pid, stored.num_partitions, [ref], nbytes)
-        _PENDING.append((ref, call))
+        token = id(ref)
+        _PENDING[token] = ref
+        call.future().add_done_callback(lambda _: _PENDING.pop(token, None))
     except Exception as ex:
         log.warning("hybrid_iter: partition %d's arrays not kept: %s", pid, ex)
