@@ -103,6 +103,10 @@ def test_unpersisted_recached_or_changed_data_is_never_served_stale(spark, cache
     old.unpersist()
     assert _lin(old).summary.data_source == "spark"  # not cached any more
     assert store_stats()["keys"] == 0  # its arrays are gone with its RDD
+    old.cache()  # the same DataFrame object cached again: a new cached RDD
+    again = [_lin(old).summary.data_source for _ in range(2)]
+    assert again == ["spark", "array cache"]
+    old.unpersist()
     # the same path, new rows, cached again: a new cached RDD, read from Spark
     spark.createDataFrame(_frame(2)).repartition(P).write.mode("overwrite").parquet(path)
     new = spark.read.parquet(path).cache()

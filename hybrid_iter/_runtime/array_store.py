@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -264,14 +265,18 @@ def enabled(spark: Any) -> bool:
     return text == "true"
 
 
-def plan_reuse(data: Any, describe: tuple[Any, ...], num_subtasks: int) -> StoredArrays | None:
-    """READ / WRITE for a fit over ``data`` (the DataFrame its tasks would read) with
-    ``num_subtasks`` subtasks, the arrays decoded as ``describe`` says; None when the
-    cache cannot serve this fit (turned off, not a cached DataFrame read whole, a
+def plan_reuse(
+    df: Any, columns: Sequence[str], describe: tuple[Any, ...], num_subtasks: int
+) -> StoredArrays | None:
+    """READ / WRITE for a fit over ``df.select(*columns)`` (what its tasks would read)
+    with ``num_subtasks`` subtasks, the arrays decoded as ``describe`` says; None when
+    the cache cannot serve this fit (turned off, not a cached DataFrame read whole, a
     repartition, larger than the capacity). Runs on the driver; no Spark job."""
-    spark = data.sparkSession
+    spark = df.sparkSession
     on = enabled(spark)
-    source = cached_source(data) if on else None
+    # a new DataFrame: its plan sees the cache as it is now (a DataFrame's own plan is
+    # fixed when first used, and keeps a relation unpersisted since)
+    source = cached_source(df.select(*columns)) if on else None
     if source is None or source.num_partitions != num_subtasks:
         got = _store(create=False)
         if got is not None:  # drop what is not needed any more (off: everything)

@@ -170,7 +170,7 @@ def run_iteration(
     read their arrays from the array cache, ``with_array_cache``)."""
     if plan.stored is not None and plan.stored.read:
         n = plan.stored.num_partitions
-        stream = DataStream(df.sparkSession.range(0, n, 1, n))
+        stream = DataStream(_stand_in(df.sparkSession, n))
     else:
         data = df.select(*plan.input_columns)
         stream = DataStream(data, numeric_columns=plan.scalar_columns or None)
@@ -187,13 +187,25 @@ def run_iteration(
     )
 
 
+_STAND_INS: dict[tuple[int, int], Any] = {}
+
+
+def _stand_in(spark: Any, n: int) -> Any:
+    """``spark.range(0, n, 1, n)``: one row (its partition id) per partition, built once
+    per session and count."""
+    key = (id(spark), n)
+    got = _STAND_INS.get(key)
+    if got is None or got[0] is not spark:
+        got = _STAND_INS[key] = (spark, spark.range(0, n, 1, n))
+    return got[1]
+
+
 def with_array_cache(df: Any, plan: FeaturePlan, parallelism: int | None) -> FeaturePlan:
     """``plan`` with the array cache's decision for a fit of ``df`` (driver, no Spark
     job): read the arrays an earlier fit of the same cached data kept, keep the ones
     this fit reads, or neither (``_runtime.array_store``)."""
-    data = df.select(*plan.input_columns)
     n = parallelism or available_task_slots(df.sparkSession)
-    stored = plan_reuse(data, plan.decoding, n)
+    stored = plan_reuse(df, plan.input_columns, plan.decoding, n)
     return replace(plan, stored=stored)
 
 

@@ -39,7 +39,10 @@ def _seq(s: Any) -> list[Any]:
 
 
 def cached_source(df: Any) -> CachedSource | None:
-    """The cached data ``df`` reads unchanged, or None (not cached, or computed on)."""
+    """The cached data ``df`` reads unchanged, or None (not cached, or computed on).
+
+    ``df``'s plan is optimized once, when first needed: ask a DataFrame made for the
+    question (``df.select(...)``), not one used before the cache changed."""
     try:
         plan = df._jdf.queryExecution().optimizedPlan()
         kind = plan.getClass().getSimpleName()
