@@ -191,17 +191,6 @@ def timed(fn):
     return time.perf_counter() - t, out
 
 
-def clear_array_cache():
-    """Forget every array the array cache keeps (the next fit reads from Spark and keeps)."""
-    import ray
-
-    from hybrid_iter._runtime import array_store
-
-    got = array_store._store(create=False)
-    if got is not None:
-        ray.get(got[0].purge.remote("", []))
-
-
 def ours_fit(kind, df, cols, label, args, cache="on"):
     """``cache``: "on" (the default a user gets: the next fit of the same cached data
     reads the arrays an earlier fit kept), "first" (the cache emptied first: a first fit
@@ -210,7 +199,7 @@ def ours_fit(kind, df, cols, label, args, cache="on"):
 
     conf = df.sparkSession.conf
     if cache == "first":
-        clear_array_cache()
+        ml.clear_array_cache()
     if cache == "off":
         conf.set(CONF_ENABLED, "false")
     try:

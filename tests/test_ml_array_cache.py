@@ -270,3 +270,70 @@ def test_kmeans_reads_the_kept_arrays_too_and_cosine_does_not_change_them(
     assert plain.summary.data_source == "spark"
     assert np.array_equal(plain.cluster_centers, euclid.cluster_centers)
     assert plain.summary.training_cost == euclid.summary.training_cost
+
+
+def test_the_store_serves_an_entry_only_with_exactly_its_partitions_and_within_its_bound():
+    """The store's bookkeeping alone (no Ray: ``add`` takes references it owns)."""
+    from hybrid_iter._runtime.array_store import READ, WRITE, ArrayStore
+
+    store = ArrayStore()
+    key, other = ("app", 7, (0, 1)), ("app", 8, (0, 1))
+    assert store.lookup(key, 2, [7, 8], 1000) == (WRITE, [])
+    assert not store.add(key, 2, 2, ["ref"], 100, 10)  # no partition 2 of 2
+    assert store.add(key, 1, 2, ["ref"], 100, 10)
+    assert store.lookup(key, 2, [7, 8], 1000) == (WRITE, [])  # partition 0 missing
+    assert store.add(key, 0, 2, ["ref"], 100, 12)
+    assert store.lookup(key, 2, [7, 8], 1000) == (READ, [12, 10])
+    assert store.lookup(key, 3, [7, 8], 1000) == (WRITE, [])  # another partition count
+    assert store.stats()["keys"] == 0
+    # the bound: the least recently used key goes; a key larger than it is refused
+    assert store.lookup(other, 2, [7, 8, 9, 10], 1300) == (WRITE, [])
+    for k in (key, other):
+        for p in (0, 1):
+            assert store.add(k, p, 2, ["ref"], 300, 1)
+    assert store.stats()["keys"] == 2
+    assert store.add(("app", 9, ()), 0, 2, ["ref"], 300, 1)  # needs 600: `key` goes
+    assert key not in store.entries and other in store.entries
+    assert not store.add(("app", 10, ()), 0, 2, ["ref"], 700, 1)  # 1400 > 1300
+    assert store.lookup(("app", 10, ()), 2, [8, 9, 10], 1300) == (None, [])
+    store.purge("app", [8])  # RDD 9 and 10 no longer persisted
+    assert list(store.entries) == [other] and not store.refused
+
+
+def test_weights_a_multinomial_rerun_and_the_rows_reported_read_the_same(spark, cache_conf):
+    """Weights come back from the kept arrays; a 3-class label without metadata (the fit
+    runs twice: a binomial guess, then 3 classes) reads what its first run kept; the
+    result counts the rows read, not the stand-in's."""
+    pdf = _frame(3)
+    pdf["w"] = np.random.default_rng(4).uniform(0.1, 2.0, len(pdf))
+    pdf["k"] = pd.qcut(pdf["y"], 3, labels=False).astype(float)
+    df = spark.createDataFrame(pdf).repartition(P).cache()
+
+    def fit(label):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return ml.LogisticRegression(
+                features_col=COLS,
+                label_col=label,
+                weight_col="w",
+                parallelism=P,
+                progress=False,
+            ).fit(df)
+
+    first, second = fit("c"), fit("c")
+    assert (first.summary.data_source, second.summary.data_source) == ("spark", "array cache")
+    _same(first, second)
+    assert sum(second.result.rows) == sum(first.result.rows) == len(pdf)
+    multi = fit("k")  # its second run (3 classes) reads what its first run kept
+    assert multi.summary.family == "multinomial" and multi.summary.data_source == "array cache"
+    again = fit("k")
+    assert np.array_equal(multi.coefficient_matrix, again.coefficient_matrix)
+    cache_conf.set(CONF_ENABLED, "false")
+    plain = fit("k")
+    assert np.array_equal(plain.coefficient_matrix, multi.coefficient_matrix)
+    cache_conf.unset(CONF_ENABLED)
+    fit("c")
+    ml.clear_array_cache()
+    assert store_stats()["keys"] == 0
+    assert fit("c").summary.data_source == "spark"
+    df.unpersist()

@@ -43,6 +43,7 @@ object store memory); both are read at each fit.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,13 +56,16 @@ from .._errors import StoredArraysLost
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "CALL_TIMEOUT",
     "CONF_BYTES",
     "CONF_ENABLED",
     "ArrayStore",
     "StoredArrays",
+    "clear",
     "forget",
     "keep_arrays",
     "plan_reuse",
+    "purge",
     "read_arrays",
     "store_stats",
 ]
@@ -72,6 +76,9 @@ CONF_BYTES = "spark.hybrid_iter.ml.arrayCacheBytes"
 DEFAULT_SHARE = 0.25
 
 READ, WRITE = "read", "write"
+#: seconds any call of the array cache may take before the cache is skipped (a fit never
+#: waits longer on it than reading the data from Spark would be worth)
+CALL_TIMEOUT = 60.0
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,8 @@ class StoredArrays:
     key: tuple[Any, ...]
     mode: str
     num_partitions: int
+    #: READ: the rows of each partition (what the fit's result reports)
+    rows: tuple[int, ...] = ()
 
     @property
     def read(self) -> bool:
@@ -91,15 +100,19 @@ class StoredArrays:
 @dataclass
 class _Entry:
     num_partitions: int
-    parts: dict[int, tuple[Any, int]]  # partition -> ([ObjectRef], bytes)
+    parts: dict[int, tuple[Any, int, int]]  # partition -> ([ObjectRef], bytes, rows)
 
     @property
     def nbytes(self) -> int:
-        return sum(b for _, b in self.parts.values())
+        return sum(b for _, b, _ in self.parts.values())
 
     @property
     def complete(self) -> bool:
-        return len(self.parts) == self.num_partitions
+        return set(self.parts) == set(range(self.num_partitions))
+
+    @property
+    def rows(self) -> list[int]:
+        return [self.parts[p][2] for p in range(self.num_partitions)]
 
 
 class ArrayStore:
@@ -123,22 +136,25 @@ class ArrayStore:
             self.counts["purged"] += 1
         self.refused = {k for k in self.refused if k[0] == app_id and k[1] in alive}
 
-    def lookup(self, key: tuple[Any, ...], n: int, alive: list[int], capacity: int) -> str | None:
-        """READ, WRITE or None (the key is larger than the capacity); forgets every
-        key whose RDD is no longer persisted first."""
+    def lookup(
+        self, key: tuple[Any, ...], n: int, alive: list[int], capacity: int
+    ) -> tuple[str | None, list[int]]:
+        """``(READ, rows per partition)``, ``(WRITE, [])`` or ``(None, [])`` (the key is
+        larger than the capacity); forgets every key whose RDD is no longer persisted
+        first."""
         self.capacity = int(capacity)
         self.purge(key[0], alive)
         if key in self.refused:
-            return None
+            return None, []
         entry = self.entries.get(key)
         if entry is not None and entry.num_partitions == n and entry.complete:
             self.entries.move_to_end(key)
             self.counts["reads"] += 1
-            return READ
+            return READ, entry.rows
         if entry is not None and entry.num_partitions != n:
             del self.entries[key]
         self.counts["writes"] += 1
-        return WRITE
+        return WRITE, []
 
     def refs(self, key: tuple[Any, ...], pid: int) -> Any:
         """``[ObjectRef]`` of a kept partition, None when it is gone."""
@@ -153,15 +169,16 @@ class ArrayStore:
         refused until its RDD goes) or cannot be read."""
         import ray
 
-        if not self._make_room(key, pid, n, int(nbytes)):
+        if not 0 <= pid < n or not self._make_room(key, pid, n, int(nbytes)):
             return False
         try:
-            value = ray.get(refs[0])
+            value = ray.get(refs[0], timeout=CALL_TIMEOUT)
             own = ray.put(value)  # a copy this process owns
+            rows = len(value[0])
             del value
         except Exception:
             return False
-        return self.add(key, pid, n, [own], nbytes)
+        return self.add(key, pid, n, [own], nbytes, rows)
 
     def _make_room(self, key: tuple[Any, ...], pid: int, n: int, nbytes: int) -> bool:
         if key in self.refused:
@@ -184,15 +201,18 @@ class ArrayStore:
             self.counts["evicted"] += 1
         return True
 
-    def add(self, key: tuple[Any, ...], pid: int, n: int, refs: list[Any], nbytes: int) -> bool:
+    def add(
+        self, key: tuple[Any, ...], pid: int, n: int, refs: list[Any], nbytes: int, rows: int
+    ) -> bool:
         """Keep partition ``pid`` of ``key`` (``refs``: ``[ObjectRef]`` this actor
-        owns); False when it does not fit."""
-        if not self._make_room(key, pid, n, int(nbytes)):
+        owns, ``rows`` rows); False when it does not fit or ``pid`` is not one of
+        ``0 .. n-1``."""
+        if not 0 <= pid < n or not self._make_room(key, pid, n, int(nbytes)):
             return False
         entry = self.entries.get(key)
         if entry is None or entry.num_partitions != n:
             entry = self.entries[key] = _Entry(n, {})
-        entry.parts[pid] = (refs, int(nbytes))
+        entry.parts[pid] = (refs, int(nbytes), int(rows))
         self.entries.move_to_end(key)
         return True
 
@@ -211,6 +231,7 @@ class ArrayStore:
 # -- driver ----------------------------------------------------------------------------------
 
 _STORES: dict[Any, tuple[Any, str]] = {}
+_STORES_LOCK = threading.Lock()
 
 
 def _store(create: bool) -> tuple[Any, str] | None:
@@ -224,12 +245,24 @@ def _store(create: bool) -> tuple[Any, str] | None:
     if not ray.is_initialized():
         return None
     job = ray.get_runtime_context().get_job_id()
-    got = _STORES.get(job)
-    if got is None and create:
-        _STORES.clear()  # an earlier Ray job's
-        name = f"hybrid_iter.arrays.{uuid.uuid4().hex[:12]}"
-        got = _STORES[job] = (launch(actor_class(ArrayStore), name), name)
-    return got
+    with _STORES_LOCK:
+        got = _STORES.get(job)
+        if got is None and create:
+            _STORES.clear()  # an earlier Ray job's
+            name = f"hybrid_iter.arrays.{uuid.uuid4().hex[:12]}"
+            got = _STORES[job] = (launch(actor_class(ArrayStore), name), name)
+        return got
+
+
+def _lost(handle: Any, ex: BaseException) -> None:
+    """Forget a store that died (a new one starts at the next fit); a timeout keeps it."""
+    import ray.exceptions
+
+    if isinstance(ex, ray.exceptions.RayActorError):
+        with _STORES_LOCK:
+            for job, (h, _) in list(_STORES.items()):
+                if h is handle:
+                    del _STORES[job]
 
 
 def _capacity(spark: Any) -> int:
@@ -278,11 +311,10 @@ def plan_reuse(
     # fixed when first used, and keeps a relation unpersisted since)
     source = cached_source(df.select(*columns)) if on else None
     if source is None or source.num_partitions != num_subtasks:
-        got = _store(create=False)
-        if got is not None:  # drop what is not needed any more (off: everything)
-            app = str(spark.sparkContext.applicationId) if on else ""
-            alive = sorted(persisted_rdd_ids(spark)) if on else []
-            got[0].purge.remote(app, alive)
+        if on:  # drop what is not needed any more (off: everything)
+            purge(spark)
+        else:
+            clear()
         return None
     import ray
 
@@ -296,14 +328,19 @@ def plan_reuse(
     key = (source.app_id, source.rdd_id, source.ordinals, *describe)
     alive = sorted(persisted_rdd_ids(spark))
     try:
-        mode = ray.get(handle.lookup.remote(key, num_subtasks, alive, _capacity(spark)))
-    except Exception as ex:  # the store died: start a new one next time
+        mode, rows = ray.get(
+            handle.lookup.remote(key, num_subtasks, alive, _capacity(spark)),
+            timeout=CALL_TIMEOUT,
+        )
+    except Exception as ex:  # the store died or is stuck: read from Spark
         log.warning("hybrid_iter: the array cache is unavailable (%s); reading from Spark", ex)
-        _STORES.clear()
+        _lost(handle, ex)
         return None
     if mode == READ and _after_lookup is not None:
         _after_lookup(handle)
-    return None if mode is None else StoredArrays(name, key, mode, num_subtasks)
+    if mode is None:
+        return None
+    return StoredArrays(name, key, mode, num_subtasks, tuple(rows))
 
 
 #: test-only (``hybrid_iter.testing.lose_kept_arrays``): called with the store's handle
@@ -311,16 +348,31 @@ def plan_reuse(
 _after_lookup: Any = None
 
 
-def forget(stored: StoredArrays) -> None:
-    """Drop a key the fit could not read back (driver); never raises."""
+def _call(method: str, *args: Any) -> None:
+    """Call the store (if started) and wait; never raises (driver)."""
     import ray
 
     got = _store(create=False)
     if got is not None:
         try:
-            ray.get(got[0].drop.remote(stored.key))
-        except Exception:
-            _STORES.clear()
+            ray.get(getattr(got[0], method).remote(*args), timeout=CALL_TIMEOUT)
+        except Exception as ex:
+            _lost(got[0], ex)
+
+
+def forget(stored: StoredArrays) -> None:
+    """Drop a key the fit could not read back or keep right (driver); never raises."""
+    _call("drop", stored.key)
+
+
+def purge(spark: Any) -> None:
+    """Drop every key whose cached RDD is no longer persisted (driver); never raises."""
+    _call("purge", str(spark.sparkContext.applicationId), sorted(persisted_rdd_ids(spark)))
+
+
+def clear() -> None:
+    """Drop everything the array cache keeps (driver; ``hybrid_iter.ml.clear_array_cache``)."""
+    _call("purge", "", [])
 
 
 def store_stats() -> dict[str, Any] | None:
@@ -355,10 +407,10 @@ def read_arrays(stored: StoredArrays, pid: int) -> Any:
     import ray
 
     try:
-        refs = ray.get(_handle(stored.store).refs.remote(stored.key, pid))
+        refs = ray.get(_handle(stored.store).refs.remote(stored.key, pid), timeout=CALL_TIMEOUT)
         if refs is None:
-            raise KeyError(pid)
-        return ray.get(refs[0])
+            raise KeyError(f"partition {pid} is no longer kept")
+        return ray.get(refs[0], timeout=CALL_TIMEOUT)
     except Exception as ex:
         raise StoredArraysLost(
             f"partition {pid}'s arrays kept from an earlier fit are gone "

@@ -51,6 +51,7 @@ from .._errors import (
     IterationConfigError,
     IterationFailedError,
     SessionError,
+    StoredArraysLost,
     VariablesMismatchError,
 )
 from .._result import IterationResult
@@ -503,6 +504,7 @@ def _check_restored(actor: Any, expect: int | None, checkpoint: CheckpointSpec |
 _FATAL = (
     VariablesMismatchError,
     IterationConfigError,
+    StoredArraysLost,  # a relaunch would miss the same arrays: the fit reads from Spark
     ForeignCheckpoint,
     MissingCheckpoint,
     UnpicklableOperator,

@@ -29,6 +29,17 @@ from typing import Any
 
 from ._base import Model
 
+
+def clear_array_cache() -> None:
+    """Drop every array the array cache keeps for later fits of cached DataFrames
+    (``docs/ml.md``, "The array cache"): the next fit of each reads it from Spark again.
+    Unpersisting a DataFrame drops its arrays at the next fit anyway; this frees the
+    memory now."""
+    from .._runtime.array_store import clear
+
+    clear()
+
+
 #: imported on first use: the stages (``linear``, ``kmeans``) load ``pyspark.ml``, which
 #: the Spark tasks and the Ray coordinator actor (which import the operators,
 #: ``hybrid_iter.ml._glm`` / ``_sgd`` / ``_kmeans``, to run a fit) never need
@@ -64,4 +75,5 @@ __all__ = [
     "LogisticRegressionModel",
     "Model",
     "TrainingSummary",
+    "clear_array_cache",
 ]

@@ -4,6 +4,7 @@ and the model base class with ``save``/``load``. Runs on the driver.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -187,17 +188,15 @@ def run_iteration(
     )
 
 
-_STAND_INS: dict[tuple[int, int], Any] = {}
+_STAND_IN: list[Any] = []  # [(session, n, DataFrame)]: the latest only
 
 
 def _stand_in(spark: Any, n: int) -> Any:
     """``spark.range(0, n, 1, n)``: one row (its partition id) per partition, built once
     per session and count."""
-    key = (id(spark), n)
-    got = _STAND_INS.get(key)
-    if got is None or got[0] is not spark:
-        got = _STAND_INS[key] = (spark, spark.range(0, n, 1, n))
-    return got[1]
+    if not _STAND_IN or _STAND_IN[0][0] is not spark or _STAND_IN[0][1] != n:
+        _STAND_IN[:] = [(spark, n, spark.range(0, n, 1, n))]
+    return _STAND_IN[0][2]
 
 
 def with_array_cache(df: Any, plan: FeaturePlan, parallelism: int | None) -> FeaturePlan:
@@ -209,10 +208,13 @@ def with_array_cache(df: Any, plan: FeaturePlan, parallelism: int | None) -> Fea
     return replace(plan, stored=stored)
 
 
-def _stored_arrays_lost(ex: BaseException) -> bool:
-    """True when a fit failed because arrays it was to read from the cache are gone."""
+def _stored_arrays_lost(ex: BaseException) -> BaseException | None:
+    """The failure saying arrays a fit was to read from the cache are gone, if any."""
     failures = getattr(ex, "failures", None) or {}
-    return any(isinstance(getattr(f, "cause", None), StoredArraysLost) for f in failures.values())
+    for f in failures.values():
+        if isinstance(getattr(f, "cause", None), StoredArraysLost):
+            return f
+    return None
 
 
 def run_with_array_cache(
@@ -232,22 +234,35 @@ def run_with_array_cache(
     while True:
         run_plan = with_array_cache(df, plan, parallelism) if reuse else plan
         init, body = build(run_plan)
+        stored = run_plan.stored
         try:
-            result = run_iteration(df, run_plan, init, body, parallelism=parallelism, **kwargs)
+            result = run_iteration(
+                df,
+                run_plan,
+                init,
+                body,
+                # the subtasks the cache was planned for, whatever the slots are now
+                parallelism=stored.num_partitions if stored is not None else parallelism,
+                **kwargs,
+            )
         except IterationFailedError as ex:
-            if run_plan.stored is None or not _stored_arrays_lost(ex):
+            lost = _stored_arrays_lost(ex) if stored is not None else None
+            if stored is None or lost is None:
                 raise
-            forget(run_plan.stored)
+            forget(stored)
             warnings.warn(
                 f"{owner}: arrays the array cache kept from an earlier fit are gone "
-                f"({next(iter(ex.failures.values()))}); reading the DataFrame from Spark",
+                f"({lost}); reading the DataFrame from Spark",
                 UserWarning,
                 stacklevel=5,
             )
             reuse = False
             continue
-        read = run_plan.stored is not None and run_plan.stored.read
-        return result, "array cache" if read else "spark"
+        if stored is not None and not stored.read and result.extra.get("repartitioned"):
+            forget(stored)  # subtask p did not read cached partition p: keep nothing
+        if stored is not None and stored.read:  # the rows read, not the stand-in's
+            return dataclasses.replace(result, rows=list(stored.rows)), "array cache"
+        return result, "spark"
 
 
 class Model:
