@@ -337,3 +337,32 @@ def test_weights_a_multinomial_rerun_and_the_rows_reported_read_the_same(spark, 
     assert store_stats()["keys"] == 0
     assert fit("c").summary.data_source == "spark"
     df.unpersist()
+
+
+def test_crossvalidator_reads_each_cached_fold_from_spark_once(spark, cached, cache_conf):
+    """What the cache is for: CrossValidator caches each fold's training set and fits
+    every param map on it; the first fit of a fold reads Spark, the others the kept
+    arrays. The metrics equal a cross-validation with the cache off."""
+    from pyspark.ml.evaluation import RegressionEvaluator
+    from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+
+    def cross_validate():
+        est = ml.LinearRegression(features_col=COLS, label_col="y", parallelism=P, progress=False)
+        grid = ParamGridBuilder().addGrid(est.regParam, [0.3, 0.01, 0.0]).build()
+        return CrossValidator(
+            estimator=est,
+            estimatorParamMaps=grid,
+            evaluator=RegressionEvaluator(labelCol="y"),
+            numFolds=2,
+            seed=7,
+        ).fit(cached)
+
+    _lin(cached)  # the store is started
+    before = store_stats()
+    on = cross_validate()
+    after = store_stats()
+    assert after["reads"] - before["reads"] >= 2 * (3 - 1)  # folds x (param maps - 1)
+    cache_conf.set(CONF_ENABLED, "false")
+    off = cross_validate()
+    assert on.avgMetrics == off.avgMetrics
+    assert on.bestModel.getRegParam() == off.bestModel.getRegParam()
