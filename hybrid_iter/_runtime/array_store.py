@@ -178,7 +178,8 @@ class ArrayStore:
             del value
         except Exception:
             return False
-        return self.add(key, pid, n, [own], nbytes, rows)
+        self._insert(key, pid, n, [own], nbytes, rows)  # room made above; nothing ran since
+        return True
 
     def _make_room(self, key: tuple[Any, ...], pid: int, n: int, nbytes: int) -> bool:
         if key in self.refused:
@@ -209,12 +210,17 @@ class ArrayStore:
         ``0 .. n-1``."""
         if not 0 <= pid < n or not self._make_room(key, pid, n, int(nbytes)):
             return False
+        self._insert(key, pid, n, refs, nbytes, rows)
+        return True
+
+    def _insert(
+        self, key: tuple[Any, ...], pid: int, n: int, refs: list[Any], nbytes: int, rows: int
+    ) -> None:
         entry = self.entries.get(key)
         if entry is None or entry.num_partitions != n:
             entry = self.entries[key] = _Entry(n, {})
         entry.parts[pid] = (refs, int(nbytes), int(rows))
         self.entries.move_to_end(key)
-        return True
 
     def drop(self, key: tuple[Any, ...]) -> None:
         self.entries.pop(key, None)
@@ -265,37 +271,35 @@ def _lost(handle: Any, ex: BaseException) -> None:
                     del _STORES[job]
 
 
-def _capacity(spark: Any) -> int:
-    text = spark.conf.get(CONF_BYTES, None)
-    if text is not None:
-        return int(text)
-    import ray
+def _settings(spark: Any) -> tuple[bool, int | None]:
+    """``(on, capacity in bytes or None for the default)`` from Spark's conf, checked."""
+    from .._errors import IterationConfigError
 
-    total = ray.cluster_resources().get("object_store_memory", 0.0)
-    return int(total * DEFAULT_SHARE)
-
-
-def enabled(spark: Any) -> bool:
     text = str(spark.conf.get(CONF_ENABLED, "true")).strip().lower()
     if text not in ("true", "false"):
-        from .._errors import IterationConfigError
-
         raise IterationConfigError(
             f"Spark conf {CONF_ENABLED}={text!r} must be 'true' or 'false' (spark.conf.set("
             f"{CONF_ENABLED!r}, 'false') turns the array cache off)"
         )
-    if spark.conf.get(CONF_BYTES, None) is not None:
+    raw = spark.conf.get(CONF_BYTES, None)
+    capacity = None
+    if raw is not None:
         try:
-            if int(spark.conf.get(CONF_BYTES)) < 0:
-                raise ValueError
+            capacity = int(raw)
         except ValueError:
-            from .._errors import IterationConfigError
-
+            capacity = -1
+        if capacity < 0:
             raise IterationConfigError(
-                f"Spark conf {CONF_BYTES}={spark.conf.get(CONF_BYTES)!r} must be a number "
-                f"of bytes >= 0 (0 keeps nothing)"
-            ) from None
-    return text == "true"
+                f"Spark conf {CONF_BYTES}={raw!r} must be a number of bytes >= 0 (0 keeps nothing)"
+            )
+    return text == "true", capacity
+
+
+def _default_capacity() -> int:
+    import ray
+
+    total = ray.cluster_resources().get("object_store_memory", 0.0)
+    return int(total * DEFAULT_SHARE)
 
 
 def plan_reuse(
@@ -306,7 +310,7 @@ def plan_reuse(
     the cache cannot serve this fit (turned off, not a cached DataFrame read whole, a
     repartition, larger than the capacity). Runs on the driver; no Spark job."""
     spark = df.sparkSession
-    on = enabled(spark)
+    on, capacity = _settings(spark)
     # a new DataFrame: its plan sees the cache as it is now (a DataFrame's own plan is
     # fixed when first used, and keeps a relation unpersisted since)
     source = cached_source(df.select(*columns)) if on else None
@@ -329,7 +333,9 @@ def plan_reuse(
     alive = sorted(persisted_rdd_ids(spark))
     try:
         mode, rows = ray.get(
-            handle.lookup.remote(key, num_subtasks, alive, _capacity(spark)),
+            handle.lookup.remote(
+                key, num_subtasks, alive, _default_capacity() if capacity is None else capacity
+            ),
             timeout=CALL_TIMEOUT,
         )
     except Exception as ex:  # the store died or is stuck: read from Spark

@@ -4,7 +4,6 @@ and the model base class with ``save``/``load``. Runs on the driver.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -261,7 +260,7 @@ def run_with_array_cache(
         if stored is not None and not stored.read and result.extra.get("repartitioned"):
             forget(stored)  # subtask p did not read cached partition p: keep nothing
         if stored is not None and stored.read:  # the rows read, not the stand-in's
-            return dataclasses.replace(result, rows=list(stored.rows)), "array cache"
+            return replace(result, rows=list(stored.rows)), "array cache"
         return result, "spark"
 
 
