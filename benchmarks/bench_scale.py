@@ -245,6 +245,7 @@ def run_config(
     fan_in: int = 32,
     ops: tuple[bytes, bytes] | None = None,
     clients: list | None = None,
+    idle_window: float = 2.0,
 ) -> dict:
     """One configuration on the connected Ray: N simulated subtasks, ``epochs`` epochs
     (the first is a warm-up and is left out of the per-epoch figures)."""
@@ -292,7 +293,13 @@ def run_config(
     try:
         ray.get(coord.begin_attempt.remote(0))
         ray.get([c.__ray_ready__.remote() for c in clients])
+        # Ray's own threads in the coordinator process burn CPU while nothing happens
+        # (polling, heartbeats): its rate, measured before the run, times an epoch's wall
+        # time is the part of the per-epoch CPU that is not the coordinator's work
+        idle0 = ray.get(coord.probe.remote())
+        time.sleep(idle_window)
         before = ray.get(coord.probe.remote())
+        idle_rate = (before["cpu"] - idle0["cpu"]) / idle_window
         groups_before = ray.get(coord.group_probe.remote())
         parts = [list(range(n))[i::clients_n] for i in range(clients_n)]
         runs = ray.get([c.run.remote(plan, p, coord) for c, p in zip(clients, parts)])
@@ -339,6 +346,11 @@ def run_config(
         "alignment_s_p99": float(np.percentile(per_epoch, 99)) if per_epoch else None,
         "coordinator_cpu_s_per_epoch": cpu,
         "coordinator_loop_thread_cpu_s_per_epoch": loop_cpu,
+        "coordinator_idle_cpu_s_per_s": idle_rate,
+        # the per-epoch CPU less what the process burns idle over an epoch's wall time
+        "coordinator_net_cpu_s_per_epoch": (
+            max(cpu - idle_rate * statistics.median(per_epoch), 0.0) if per_epoch else None
+        ),
         "coordinator_calls_per_epoch": calls / (epochs + 1),  # calls 0 .. epochs
         "coordinator_bytes_in_per_epoch": (after["bytes_in"] - before["bytes_in"]) / epochs,
         "coordinator_rss_peak_bytes": after["rss_peak"],
@@ -558,7 +570,9 @@ def _line(r: dict) -> str:
         f"{r['mode']:4s} N={r['n']:5d} feedback={r['feedback_values']:>9,}: alignment "
         f"{r['alignment_s_median'] * 1e3:8.1f} ms (p99 {r['alignment_s_p99'] * 1e3:8.1f}) | "
         f"coordinator CPU {r['coordinator_cpu_s_per_epoch'] * 1e3:7.1f} ms/epoch "
-        f"(loop thread {(r.get('coordinator_loop_thread_cpu_s_per_epoch') or 0) * 1e3:.1f}), "
+        f"(loop thread {(r.get('coordinator_loop_thread_cpu_s_per_epoch') or 0) * 1e3:.1f}; "
+        f"net of idle {(r.get('coordinator_net_cpu_s_per_epoch') or 0) * 1e3:.1f}, idle "
+        f"{r.get('coordinator_idle_cpu_s_per_s', 0) * 1e3:.1f} ms/s), "
         f"{r['coordinator_calls_per_epoch']:6.0f} calls, "
         f"{r['coordinator_bytes_in_per_epoch'] / 1e6:9.2f} MB in, "
         f"{r['process_feedback_calls_per_epoch']:5.0f} process_feedback/epoch, "

@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -245,7 +245,7 @@ class IterationCoordinator:
         self.ctx = CoordinatorContext(self)
         self._out = CoordinatorCollector(self)
         self._listener_out = CoordinatorCollector(self, from_listener=True)
-        self._waiters: dict[int, tuple[int, int, asyncio.Future[Reply]]] = {}
+        self._waiters: dict[int, tuple[int, int, _Waiter]] = {}
         self._busy: tuple[str, int, float] | None = None
         self._feedback_shapes: dict[int, tuple[int, tuple[int, ...]]] = {}
         # fencing, sync buffering, the cut and the restore: pure logic (``_cut.py``)
@@ -387,6 +387,7 @@ class IterationCoordinator:
         got = self._accept(pid, epoch, known_version, emissions, rows, attempt)
         if isinstance(got, Reply):
             return got
+        assert isinstance(got, asyncio.Future)
         if offered is not None:
             self.cut.offer_state(pid, epoch, known_version, offered[0], self.sm.aligned)
         self._after_calls()
@@ -408,7 +409,14 @@ class IterationCoordinator:
         if self.cut.accepts(attempt) and not self._failures and self.sm.terminated is None:
             self._tree.take(first_pid, epoch, combined)
         aligned = self.sm.aligned
-        got = [self._accept(p, epoch, kv, em, rows, attempt) for p, kv, em, rows in members]
+        # one future for the whole group, filled in member by member as they are released
+        # (not one asyncio future and one await per member: O(groups) event-loop wakeups)
+        call = _GroupCall(len(members), asyncio.get_running_loop().create_future())
+        for i, (p, kv, em, rows) in enumerate(members):
+            slot = _Member(call, i)
+            got = self._accept(p, epoch, kv, em, rows, attempt, slot)
+            if isinstance(got, Reply):
+                slot.set_result(got)
         # Sync only: a call is released by an alignment, termination or a checkpoint, or at
         # once when its epoch is already aligned (after a restore); else skip the O(N)
         # release scan, which would run once per group call for nothing.
@@ -423,7 +431,7 @@ class IterationCoordinator:
             or self.cut.cutting is not None
         ):
             self._release()
-        return [g if isinstance(g, Reply) else await g for g in got]
+        return await call.future if members else []
 
     async def group_of(self, pid: int) -> Any:
         """The feedback group actor subtask ``pid`` reports to (None: to this actor)."""
@@ -437,8 +445,10 @@ class IterationCoordinator:
         emissions: Emissions,
         rows: Sequence[int] | None,
         attempt: int,
-    ) -> Reply | asyncio.Future[Reply]:
-        """Validate and take call ``epoch`` of ``pid``: a reply now, or its future."""
+        slot: _Member | None = None,
+    ) -> Reply | _Waiter:
+        """Validate and take call ``epoch`` of ``pid``: a reply now, or what will get it
+        (a new future, or ``slot``: the member's place in its group's call)."""
         if not self.cut.accepts(attempt):
             return self._stale_reply(epoch, attempt)
         if self._failures:
@@ -452,7 +462,7 @@ class IterationCoordinator:
                 RemoteFailure.capture(ex, source=COORDINATOR, epoch=epoch, where="protocol")
             )
             return self._error_reply(epoch)
-        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        future: _Waiter = slot if slot is not None else asyncio.get_running_loop().create_future()
         self._waiters[pid] = (epoch, known_version, future)
         try:
             if rows is not None:
@@ -825,9 +835,11 @@ class IterationCoordinator:
         self.sm.fail()
         if self._tree is not None:
             self._tree.abort(self._failures[0])
+        replies: dict[int, Reply] = {}  # one object per epoch: a group's replies pickle once
         for epoch, _, future in self._waiters.values():
             if not future.done():
-                future.set_result(self._error_reply(epoch))
+                reply = replies.get(epoch) or replies.setdefault(epoch, self._error_reply(epoch))
+                future.set_result(reply)
         self._waiters.clear()
         self._notify_progress()
 
@@ -983,10 +995,14 @@ class IterationCoordinator:
             if self.sm.terminated is not None:
                 self.cut.abandon()  # nothing to resume any more
             else:
+                asks: dict[int, Reply] = {}
                 for pid in self.cut.ask_state(list(self._waiters)):
                     epoch, _, future = self._waiters.pop(pid)
                     if not future.done():  # it answers with its state and waits there
-                        future.set_result(Reply(epoch, False, self.sm.aligned, need_state=True))
+                        ask = asks.get(epoch) or asks.setdefault(
+                            epoch, Reply(epoch, False, self.sm.aligned, need_state=True)
+                        )
+                        future.set_result(ask)
                 if not self.cut.complete:
                     return  # hold everyone until every subtask's state is in
                 try:
@@ -1004,18 +1020,23 @@ class IterationCoordinator:
                     )
                     return
         last_round = self.sm.terminating_round
+        # equal replies are one object: a group's list of replies pickles each once
+        made: dict[tuple[int, bool, int], Reply] = {}
         for r in self.sm.releasable():
             _, known_version, future = self._waiters.pop(r.pid)
             if not future.done():
-                future.set_result(
-                    Reply(
+                payload = self._payload_for(known_version)
+                key = (r.epoch, r.terminated, id(payload))
+                reply = made.get(key)
+                if reply is None:
+                    reply = made[key] = Reply(
                         r.epoch,
                         r.terminated,
                         self.sm.aligned,
-                        self._payload_for(known_version),
+                        payload,
                         terminating_round=r.epoch if last_round is not None else None,
                     )
-                )
+                future.set_result(reply)
 
     def _notify_progress(self, *, force: bool = False) -> None:
         if not self._progress_waiters:
@@ -1137,6 +1158,47 @@ class _Slot:
     def adopt(self, instance: Any) -> None:
         """Use a restored all-round instance (already opened in its first life)."""
         self._instance = instance
+
+
+class _Waiter(Protocol):
+    """What a held call waits on: its own future, or its place in a group's call."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: Reply, /) -> None: ...
+
+
+class _GroupCall:
+    """The members' replies of one ``report_group`` call; its ``future`` resolves with
+    them, in member order, when the last one is set."""
+
+    __slots__ = ("future", "missing", "replies")
+
+    def __init__(self, size: int, future: asyncio.Future[list[Reply]]) -> None:
+        self.replies: list[Reply | None] = [None] * size
+        self.missing = size
+        self.future = future
+
+
+class _Member:
+    """One member's place in a ``_GroupCall``: set like a future, at most once."""
+
+    __slots__ = ("call", "index")
+
+    def __init__(self, call: _GroupCall, index: int) -> None:
+        self.call, self.index = call, index
+
+    def done(self) -> bool:
+        return self.call.replies[self.index] is not None
+
+    def set_result(self, result: Reply, /) -> None:
+        call = self.call
+        if call.replies[self.index] is not None:
+            raise asyncio.InvalidStateError(f"member #{self.index} already has its reply")
+        call.replies[self.index] = result
+        call.missing -= 1
+        if call.missing == 0 and not call.future.done():
+            call.future.set_result(call.replies)  # type: ignore[arg-type]  # all set now
 
 
 def _overrides(obj: Any, method: str) -> bool:

@@ -335,14 +335,22 @@ class GroupAggregator:
         members = []
         partial = []
         partial_round = []
+        # members that emitted nothing but feedback (the common case) share one record
+        # per (criteria, count): the call pickles it once, not once per member
+        alike: dict[tuple[int, int | None], Emissions] = {}
         for p in pids:
             kv, em, rows, _ = calls[p]
             em = precombine(em, self.combiner)
             partial += em.feedback
             partial_round += em.round_feedback
-            members.append(
-                (p, kv, replace(em, feedback=[], round_feedback=[]), rows)
-            )  # feedback travels once, merged
+            if em.outputs:
+                rest = replace(em, feedback=[], round_feedback=[])
+            else:
+                key = (em.criteria, em.combined_count)
+                rest = alike.get(key) or alike.setdefault(
+                    key, Emissions(criteria=em.criteria, combined_count=em.combined_count)
+                )
+            members.append((p, kv, rest, rows))  # feedback travels once, merged
         combined = Emissions(
             feedback=[fold(partial, self.combiner)] if partial else [],
             round_feedback=[fold(partial_round, self.combiner)] if partial_round else [],

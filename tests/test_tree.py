@@ -237,8 +237,8 @@ def test_the_scale_harness_at_64_subtasks_flat_and_tree(session):
     call and value reaches the coordinator; tree (fan-in 32), 2 group calls and one
     merged value per epoch, and the sum is right (checked inside ``run_config``)."""
     bench = _bench_scale()
-    flat = bench.run_config(64, 1000, tree=False, epochs=2)
-    tree = bench.run_config(64, 1000, tree=True, epochs=2)
+    flat = bench.run_config(64, 1000, tree=False, epochs=2, idle_window=0.1)
+    tree = bench.run_config(64, 1000, tree=True, epochs=2, idle_window=0.1)
     assert flat["coordinator_calls_per_epoch"] == 64 and tree["groups"] == 2
     assert tree["coordinator_calls_per_epoch"] == 2
     assert flat["process_feedback_calls_per_epoch"] == 64
