@@ -125,9 +125,11 @@ def _measured_coordinator_class() -> type:
 
         async def group_probe(self) -> list:
 
+            # the groups, then the root aggregator (the last entry) when there is one
             if self._tree is None or not self._tree.groups:
                 return []
-            return list(await _gather([g.info.remote() for g in self._tree.groups]))
+            root = [self._tree.root] if self._tree.root is not None else []
+            return list(await _gather([g.info.remote() for g in [*self._tree.groups, *root]]))
 
     return Measured
 
@@ -356,10 +358,22 @@ def run_config(
         "coordinator_rss_peak_bytes": after["rss_peak"],
         "process_feedback_calls_per_epoch": statistics.median(pf_calls) if pf_calls else 0,
         "group_cpu_s_per_epoch_max": (
-            max(g["cpu_seconds"] - g0["cpu_seconds"] for g, g0 in zip(groups, groups_before))
+            max(
+                g["cpu_seconds"] - g0["cpu_seconds"]
+                for g, g0 in zip(groups, groups_before)
+                if "lo" in g
+            )
             / (epochs + 1)
             if groups
             else None
+        ),
+        "root_cpu_s_per_epoch": next(
+            (
+                (g["cpu_seconds"] - g0["cpu_seconds"]) / (epochs + 1)
+                for g, g0 in zip(groups, groups_before)
+                if "lo" not in g
+            ),
+            None,
         ),
         "clients": clients_n,
         "client_cpu_s_per_epoch": sum(r["cpu"] for r in runs) / (epochs + 1),
@@ -578,6 +592,11 @@ def _line(r: dict) -> str:
         f"{r['process_feedback_calls_per_epoch']:5.0f} process_feedback/epoch, "
         f"RSS peak {rss:6.0f} MB"
         + (f" | group CPU max {grp * 1e3:.1f} ms/epoch" if grp is not None else "")
+        + (
+            f", root {r['root_cpu_s_per_epoch'] * 1e3:.1f}"
+            if r.get("root_cpu_s_per_epoch") is not None
+            else ""
+        )
         + f" | clients CPU {r['client_cpu_s_per_epoch'] * 1e3:.0f} ms/epoch"
     )
 

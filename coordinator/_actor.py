@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -387,11 +387,10 @@ class IterationCoordinator:
         got = self._accept(pid, epoch, known_version, emissions, rows, attempt)
         if isinstance(got, Reply):
             return got
-        assert isinstance(got, asyncio.Future)
         if offered is not None:
             self.cut.offer_state(pid, epoch, known_version, offered[0], self.sm.aligned)
         self._after_calls()
-        return await got
+        return await cast("asyncio.Future[Reply]", got)  # no slot given: a future
 
     async def report_group(
         self,

@@ -44,6 +44,7 @@ __all__ = [
     "SUPPORTED_COMBINE",
     "CoordinatorTree",
     "GroupAggregator",
+    "RootAggregator",
     "SumCombiner",
     "TreeSpec",
     "fold",
@@ -250,16 +251,20 @@ class CoordinatorTree:
         self.bounds = group_bounds(num_subtasks, spec.fan_in)
         self.pending: dict[int, PartialFeedback] = {}
         self.groups: list[Any] = []
+        #: merges the groups' calls into one per epoch (None: no groups)
+        self.root: Any = None
         self.calls = 0  # report / report_group calls received (the fan-in in practice)
         if self.bounds and start_groups:
             import ray
 
             # ray's remote(**options) overload lists task options only, not max_concurrency
-            cls = ray.remote(  # type: ignore[call-overload]
-                num_cpus=0, max_restarts=0, max_concurrency=max(1000, 4 * 64)
-            )(GroupAggregator)
+            options = {"num_cpus": 0, "max_restarts": 0, "max_concurrency": max(1000, 4 * 64)}
             me = ray.get_runtime_context().current_actor
-            self.groups = [cls.remote(me, lo, hi, spec) for lo, hi in self.bounds]
+            self.root = ray.remote(**options)(RootAggregator).remote(  # type: ignore[call-overload]
+                me, self.bounds, spec
+            )
+            cls = ray.remote(**options)(GroupAggregator)  # type: ignore[call-overload]
+            self.groups = [cls.remote(me, lo, hi, spec, self.root) for lo, hi in self.bounds]
 
     def group_of(self, pid: int) -> Any:
         """The group actor subtask ``pid`` reports to (None: straight to the coordinator)."""
@@ -283,7 +288,7 @@ class CoordinatorTree:
 
     def abort(self, failure: Any) -> None:
         """Answer every member waiting in a group (a failure was recorded)."""
-        for g in self.groups:
+        for g in [*self.groups, *([self.root] if self.root is not None else [])]:
             try:
                 g.abort.remote(failure)
             except Exception:
@@ -296,8 +301,12 @@ class GroupAggregator:
     An asyncio Ray actor owned by the coordinator. All public methods are called
     through Ray."""
 
-    def __init__(self, coordinator: Any, lo: int, hi: int, spec: TreeSpec) -> None:
+    def __init__(
+        self, coordinator: Any, lo: int, hi: int, spec: TreeSpec, upstream: Any = None
+    ) -> None:
         self.coord = coordinator
+        #: where the group's calls go: the root aggregator, or the coordinator itself
+        self.up = upstream if upstream is not None else coordinator
         self.lo, self.hi = lo, hi
         self.combiner = spec.load()
         #: (attempt, call) -> pid -> (known_version, emissions, rows, future)
@@ -332,6 +341,26 @@ class GroupAggregator:
     async def _forward(self, key: tuple[int, int], calls: dict[int, Any]) -> None:
         attempt, epoch = key
         pids = sorted(calls)
+        futures = [calls[p][3] for p in pids]
+        try:
+            members, combined = self._merge(pids, calls)
+        except Exception as ex:  # a combiner that cannot merge: fail the run, never hang
+            await _fail_all(self.coord, ex, f"feedback group [{self.lo}, {self.hi})", key, futures)
+            return
+        self.forwarded += 1
+        try:
+            replies = await self.up.report_group.remote(self.lo, epoch, members, combined, attempt)
+        except Exception as ex:  # the coordinator died: the members fail with the cause
+            for fut in futures:
+                if not fut.done():
+                    fut.set_exception(ex)
+            return
+        for fut, reply in zip(futures, replies):
+            if not fut.done():
+                fut.set_result(reply)
+
+    def _merge(self, pids: list[int], calls: dict[int, Any]) -> tuple[list[Any], Emissions]:
+        """The members' records without feedback, and their feedback merged."""
         members = []
         partial = []
         partial_round = []
@@ -351,26 +380,7 @@ class GroupAggregator:
                     key, Emissions(criteria=em.criteria, combined_count=em.combined_count)
                 )
             members.append((p, kv, rest, rows))  # feedback travels once, merged
-        combined = Emissions(
-            feedback=[fold(partial, self.combiner)] if partial else [],
-            round_feedback=[fold(partial_round, self.combiner)] if partial_round else [],
-            combined_count=0,
-        )
-        self.forwarded += 1
-        try:
-            replies = await self.coord.report_group.remote(
-                self.lo, epoch, members, combined, attempt
-            )
-        except Exception as ex:  # the coordinator died: the members fail with the cause
-            for p in pids:
-                fut = calls[p][3]
-                if not fut.done():
-                    fut.set_exception(ex)
-            return
-        for p, reply in zip(pids, replies):
-            fut = calls[p][3]
-            if not fut.done():
-                fut.set_result(reply)
+        return members, _merged(partial, partial_round, self.combiner)
 
     async def abort(self, failure: Any) -> None:
         """The coordinator recorded a failure: answer every waiting member with it."""
@@ -383,11 +393,128 @@ class GroupAggregator:
 
     async def info(self) -> dict[str, Any]:
         """Counters; ``cpu_seconds``: this group process's CPU time so far."""
-        import time
+        return {"lo": self.lo, "hi": self.hi, "forwarded": self.forwarded, "cpu_seconds": _cpu()}
 
-        return {
-            "lo": self.lo,
-            "hi": self.hi,
-            "forwarded": self.forwarded,
-            "cpu_seconds": time.process_time(),
-        }
+
+class RootAggregator:
+    """Between the groups and the coordinator: waits for every group's call ``k``, merges
+    their feedback in partition order and makes one ``report_group`` call for all their
+    members, so the coordinator receives one call per epoch however many groups there
+    are (each call costs Ray about half a millisecond of the coordinator's CPU). The
+    merge order is the coordinator's own (groups by first partition, left to right), so
+    the totals are the same bits as if the groups called the coordinator. An asyncio Ray
+    actor owned by the coordinator; its ``report_group`` has the coordinator's signature."""
+
+    def __init__(self, coordinator: Any, bounds: Sequence[tuple[int, int]], spec: TreeSpec):
+        self.coord = coordinator
+        self.firsts = [lo for lo, _ in bounds]
+        self.combiner = spec.load()
+        #: (attempt, call) -> first pid of a group -> (members, combined, future)
+        self._calls: dict[tuple[int, int], dict[int, tuple[Any, Emissions, Any]]] = {}
+        self._failure: Any = None
+        self.forwarded = 0
+
+    async def report_group(
+        self,
+        first_pid: int,
+        epoch: int,
+        members: Sequence[Any],
+        combined: Emissions,
+        attempt: int = 0,
+    ) -> list[Reply]:
+        if self._failure is not None:
+            return [Reply(epoch, True, -1, None, self._failure)] * len(members)
+        fut: asyncio.Future[list[Reply]] = asyncio.get_running_loop().create_future()
+        key = (attempt, epoch)
+        calls = self._calls.setdefault(key, {})
+        calls[first_pid] = (members, combined, fut)
+        if len(calls) == len(self.firsts):
+            del self._calls[key]
+            asyncio.get_running_loop().create_task(self._forward(key, calls))
+        return await fut
+
+    async def _forward(self, key: tuple[int, int], calls: dict[int, Any]) -> None:
+        attempt, epoch = key
+        firsts = sorted(calls)
+        futures = [calls[f][2] for f in firsts]
+        members = [m for f in firsts for m in calls[f][0]]
+        try:
+            combined = _merged(
+                [v for f in firsts for v in calls[f][1].feedback],
+                [v for f in firsts for v in calls[f][1].round_feedback],
+                self.combiner,
+            )
+        except Exception as ex:  # a combiner that cannot merge: fail the run, never hang
+            counts = [len(calls[f][0]) for f in firsts]
+            await _fail_all(self.coord, ex, "the feedback tree's root", key, futures, counts)
+            return
+        self.forwarded += 1
+        try:
+            replies = await self.coord.report_group.remote(
+                firsts[0], epoch, members, combined, attempt
+            )
+        except Exception as ex:  # the coordinator died: the groups fail with the cause
+            for fut in futures:
+                if not fut.done():
+                    fut.set_exception(ex)
+            return
+        at = 0
+        for f, fut in zip(firsts, futures):
+            n = len(calls[f][0])
+            if not fut.done():
+                fut.set_result(replies[at : at + n])
+            at += n
+
+    async def abort(self, failure: Any) -> None:
+        """The coordinator recorded a failure: answer every waiting group with it."""
+        self._failure = failure
+        calls, self._calls = self._calls, {}
+        for (_, epoch), groups in calls.items():
+            for members, _, fut in groups.values():
+                if not fut.done():
+                    fut.set_result([Reply(epoch, True, -1, None, failure)] * len(members))
+
+    async def info(self) -> dict[str, Any]:
+        """Counters; ``cpu_seconds``: this process's CPU time so far."""
+        return {"groups": len(self.firsts), "forwarded": self.forwarded, "cpu_seconds": _cpu()}
+
+
+def _merged(main: list[Any], round_: list[Any], combiner: Any) -> Emissions:
+    """One record carrying each kind of feedback folded left to right."""
+    return Emissions(
+        feedback=[fold(main, combiner)] if main else [],
+        round_feedback=[fold(round_, combiner)] if round_ else [],
+        combined_count=0,
+    )
+
+
+async def _fail_all(
+    coord: Any,
+    ex: Exception,
+    where: str,
+    key: tuple[int, int],
+    futures: Sequence[Any],
+    counts: Sequence[int] | None = None,
+) -> None:
+    """Merging failed in an aggregator (e.g. arrays of different shapes, or a user's
+    ``merge`` raised): the run fails with the cause. The waiting members (or groups of
+    ``counts`` members) get the failure as their reply, and the coordinator records it
+    so that every other subtask stops too."""
+    from ._errors import RemoteFailure
+
+    attempt, epoch = key
+    failure = RemoteFailure.capture(ex, source=where, epoch=epoch, where="combining feedback")
+    reply = Reply(epoch, True, -1, None, failure)
+    for i, fut in enumerate(futures):
+        if not fut.done():
+            fut.set_result(reply if counts is None else [reply] * counts[i])
+    try:
+        await coord.fail.remote(failure, attempt)
+    except Exception:
+        pass  # the coordinator died: every subtask fails on its own
+
+
+def _cpu() -> float:
+    import time
+
+    return time.process_time()
