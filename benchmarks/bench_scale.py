@@ -295,13 +295,7 @@ def run_config(
     try:
         ray.get(coord.begin_attempt.remote(0))
         ray.get([c.__ray_ready__.remote() for c in clients])
-        # Ray's own threads in the coordinator process burn CPU while nothing happens
-        # (polling, heartbeats): its rate, measured before the run, times an epoch's wall
-        # time is the part of the per-epoch CPU that is not the coordinator's work
-        idle0 = ray.get(coord.probe.remote())
-        time.sleep(idle_window)
         before = ray.get(coord.probe.remote())
-        idle_rate = (before["cpu"] - idle0["cpu"]) / idle_window
         groups_before = ray.get(coord.group_probe.remote())
         parts = [list(range(n))[i::clients_n] for i in range(clients_n)]
         runs = ray.get([c.run.remote(plan, p, coord) for c, p in zip(clients, parts)])
@@ -311,6 +305,12 @@ def run_config(
         after = ray.get(coord.probe.remote())
         groups = ray.get(coord.group_probe.remote())
         result = ray.get(coord.result.remote())
+        # Ray's own threads in the coordinator process burn CPU while nothing happens
+        # (polling, heartbeats): that rate (measured once the run is over and everything
+        # is quiet) times an epoch's wall time is CPU that does not depend on the work
+        idle0 = ray.get(coord.probe.remote())
+        time.sleep(idle_window)
+        idle_rate = (ray.get(coord.probe.remote())["cpu"] - idle0["cpu"]) / idle_window
     finally:
         if own:
             for c in clients:
