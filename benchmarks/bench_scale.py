@@ -348,11 +348,10 @@ def run_config(
         "alignment_s_p99": float(np.percentile(per_epoch, 99)) if per_epoch else None,
         "coordinator_cpu_s_per_epoch": cpu,
         "coordinator_loop_thread_cpu_s_per_epoch": loop_cpu,
+        # what the process burns per second of wall time with nothing to do (not
+        # subtracted: at 1,024 subtasks it grows to ~12 ms/s, and Ray's threads do not
+        # burn at the same rate while busy)
         "coordinator_idle_cpu_s_per_s": idle_rate,
-        # the per-epoch CPU less what the process burns idle over an epoch's wall time
-        "coordinator_net_cpu_s_per_epoch": (
-            max(cpu - idle_rate * statistics.median(per_epoch), 0.0) if per_epoch else None
-        ),
         "coordinator_calls_per_epoch": calls / (epochs + 1),  # calls 0 .. epochs
         "coordinator_bytes_in_per_epoch": (after["bytes_in"] - before["bytes_in"]) / epochs,
         "coordinator_rss_peak_bytes": after["rss_peak"],
@@ -585,8 +584,7 @@ def _line(r: dict) -> str:
         f"{r['alignment_s_median'] * 1e3:8.1f} ms (p99 {r['alignment_s_p99'] * 1e3:8.1f}) | "
         f"coordinator CPU {r['coordinator_cpu_s_per_epoch'] * 1e3:7.1f} ms/epoch "
         f"(loop thread {(r.get('coordinator_loop_thread_cpu_s_per_epoch') or 0) * 1e3:.1f}; "
-        f"net of idle {(r.get('coordinator_net_cpu_s_per_epoch') or 0) * 1e3:.1f}, idle "
-        f"{r.get('coordinator_idle_cpu_s_per_s', 0) * 1e3:.1f} ms/s), "
+        f"idle {r.get('coordinator_idle_cpu_s_per_s', 0) * 1e3:.1f} ms/s), "
         f"{r['coordinator_calls_per_epoch']:6.0f} calls, "
         f"{r['coordinator_bytes_in_per_epoch'] / 1e6:9.2f} MB in, "
         f"{r['process_feedback_calls_per_epoch']:5.0f} process_feedback/epoch, "
