@@ -258,7 +258,12 @@ class CoordinatorTree:
             import ray
 
             # ray's remote(**options) overload lists task options only, not max_concurrency
-            options = {"num_cpus": 0, "max_restarts": 0, "max_concurrency": max(1000, 4 * 64)}
+            options = {
+                "num_cpus": 0,
+                "max_restarts": 0,
+                "max_concurrency": max(1000, 4 * 64),
+                "enable_task_events": False,
+            }
             me = ray.get_runtime_context().current_actor
             self.root = ray.remote(**options)(RootAggregator).remote(  # type: ignore[call-overload]
                 me, self.bounds, spec
