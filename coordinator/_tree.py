@@ -281,8 +281,13 @@ class CoordinatorTree:
     def take(self, first_pid: int, epoch: int, em: Emissions) -> None:
         """Keep ``em``'s partial feedback for its epoch's alignment (call ``epoch``
         carries records of epoch ``max(epoch - 1, 0)``)."""
+        if not (em.feedback or em.round_feedback):
+            return  # a group's member (its feedback came merged) or nothing fed back
         em2 = precombine(em, self.combiner)  # a subtask that did not pre-combine
-        self.pending.setdefault(epoch, PartialFeedback()).add(first_pid, em2)
+        part = self.pending.get(epoch)
+        if part is None:
+            part = self.pending[epoch] = PartialFeedback()
+        part.add(first_pid, em2)
         if em2 is not em:
             em.feedback, em.round_feedback = [], []
             em.combined_count = em2.combined_count

@@ -150,11 +150,12 @@ def test_a_direct_report_where_the_tree_has_group_actors_fails_instead_of_hangin
     coordinator answers it with an error naming the subtask."""
     import cloudpickle
 
-    from coordinator._tree import TreeSpec
+    from coordinator._tree import CoordinatorTree, TreeSpec
 
-    # no Ray: groups are not started ...
-    c = coordinator(n=4, tree=TreeSpec(cloudpickle.dumps("sum"), fan_in=2))
-    assert c._tree is not None and len(c._tree.bounds) == 2
+    c = coordinator(n=4)
+    # groups not started (also when an earlier test left Ray running) ...
+    c._tree = CoordinatorTree(TreeSpec(cloudpickle.dumps("sum"), fan_in=2), 4, start_groups=False)
+    assert len(c._tree.bounds) == 2
     c._tree.groups = ["group 0", "group 1"]  # ... so stand in for the two of them
 
     async def main():
