@@ -271,7 +271,7 @@ def run_config(
         operators=coord_bytes,
         tree=spec_tree,
     )
-    coord = ray.remote(num_cpus=0, max_concurrency=max(1000, n + 16), enable_task_events=False)(
+    coord = ray.remote(num_cpus=0, max_concurrency=max(1000, n + 16))(
         _measured_coordinator_class()
     ).remote(spec)
     run = f"bench_scale.{time.time_ns()}"

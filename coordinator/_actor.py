@@ -26,7 +26,13 @@ from ._checkpoint import (
     fingerprint_mismatch,
 )
 from ._cut import Cut, CutProtocol
-from ._errors import CheckpointError, HybridIterError, RemoteFailure, VariablesMismatchError
+from ._errors import (
+    CheckpointError,
+    FeedbackShapeMismatch,
+    HybridIterError,
+    RemoteFailure,
+    VariablesMismatchError,
+)
 from ._hooks import RuntimeHooks
 from ._protocol import Emissions, OutputRecord, Progress, Reply, ResultData
 from ._state import EpochStateMachine, StateMachineError
@@ -1075,10 +1081,6 @@ class _UserCodeFailed(Exception):
 
 class NonFiniteVariables(VariablesMismatchError):
     """``publish_variables`` with NaN or infinite values."""
-
-
-class FeedbackShapeMismatch(VariablesMismatchError):
-    """Partitions fed back arrays of different shapes (a sum would broadcast them)."""
 
 
 class UnpicklableOperator(HybridIterError, TypeError):

@@ -12,6 +12,7 @@ from typing import Any
 __all__ = [
     "CheckpointError",
     "ConfigTypeError",
+    "FeedbackShapeMismatch",
     "HybridIterError",
     "IterationConfigError",
     "RemoteFailure",
@@ -43,6 +44,11 @@ class CheckpointError(HybridIterError):
 
 class VariablesMismatchError(HybridIterError, ValueError):
     """``publish_variables`` named a variable that does not exist or gave a wrong shape."""
+
+
+class FeedbackShapeMismatch(VariablesMismatchError):
+    """Partitions fed back arrays of different shapes (a sum would broadcast them); a
+    relaunch would meet them again, so it is not retried."""
 
 
 class RemoteFailure(HybridIterError):

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import ConfigTypeError, IterationConfigError
+from ._errors import ConfigTypeError, FeedbackShapeMismatch, IterationConfigError
 from ._protocol import Emissions, Reply
 
 __all__ = [
@@ -77,7 +77,7 @@ class SumCombiner:
 def _add(a: Any, b: Any, *, owned: bool) -> Any:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         if isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape != b.shape:
-            raise ValueError(
+            raise FeedbackShapeMismatch(
                 f"feedback_combine='sum': arrays of shapes {a.shape} and {b.shape} cannot be "
                 f"summed; every partition must feed back arrays of the same shape"
             )
@@ -345,7 +345,7 @@ class GroupAggregator:
         calls[pid] = (known_version, emissions, rows, fut)
         if len(calls) == self.hi - self.lo:
             del self._calls[key]
-            asyncio.get_running_loop().create_task(self._forward(key, calls))
+            _keep(asyncio.get_running_loop().create_task(self._forward(key, calls)))
         return await fut
 
     async def _forward(self, key: tuple[int, int], calls: dict[int, Any]) -> None:
@@ -440,7 +440,7 @@ class RootAggregator:
         calls[first_pid] = (members, combined, fut)
         if len(calls) == len(self.firsts):
             del self._calls[key]
-            asyncio.get_running_loop().create_task(self._forward(key, calls))
+            _keep(asyncio.get_running_loop().create_task(self._forward(key, calls)))
         return await fut
 
     async def _forward(self, key: tuple[int, int], calls: dict[int, Any]) -> None:
@@ -514,14 +514,23 @@ async def _fail_all(
 
     attempt, epoch = key
     failure = RemoteFailure.capture(ex, source=where, epoch=epoch, where="combining feedback")
+    try:  # first, so the driver finds the cause when the members stop
+        await asyncio.wait_for(coord.fail.remote(failure, attempt), 60)
+    except Exception:
+        pass  # the coordinator died or is stuck: the members still get the failure
     reply = Reply(epoch, True, -1, None, failure)
     for i, fut in enumerate(futures):
         if not fut.done():
             fut.set_result(reply if counts is None else [reply] * counts[i])
-    try:
-        await coord.fail.remote(failure, attempt)
-    except Exception:
-        pass  # the coordinator died: every subtask fails on its own
+
+
+#: forwarding tasks in flight (the event loop keeps only weak references to tasks)
+_TASKS: set[asyncio.Task[None]] = set()
+
+
+def _keep(task: asyncio.Task[None]) -> None:
+    _TASKS.add(task)
+    task.add_done_callback(_TASKS.discard)
 
 
 def _cpu() -> float:

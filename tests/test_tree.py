@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import hybrid_iter as hi
-from coordinator._protocol import Emissions
+from coordinator._protocol import Emissions, Reply
 from coordinator._tree import SumCombiner, fold, group_bounds, precombine
+from hybrid_iter._runtime.iterate import _retryable
 from hybrid_iter.testing import FaultInjection
 
 PARTS = 4
@@ -201,7 +202,8 @@ def test_arrays_a_group_cannot_sum_fail_the_run_instead_of_hanging(data):
         hi.iterate_bounded_streams_until_termination(
             {"w": np.zeros(1)}, hi.ReplayableDataStreamList.not_replay(data), config, body
         )
-    assert "combining feedback" in str(info.value)
+    assert "combining feedback" in str(info.value) and "FeedbackShapeMismatch" in str(info.value)
+    assert not _retryable(info.value)  # a relaunch would meet the same shapes
 
 
 @pytest.mark.timeout(300)
@@ -227,13 +229,118 @@ def test_a_merge_that_raises_in_the_root_fails_the_run(data):
         partition=One(), coordinator=Count(), feedback_combine=Picky(), feedback_fan_in=2
     )
     config = hi.IterationConfig(staleness=0, max_epochs=3, parallelism=PARTS, progress=False)
-    with pytest.raises(hi.IterationFailedError, match="Picky cannot merge two partial sums"):
+    with pytest.raises(
+        hi.IterationFailedError, match="Picky cannot merge two partial sums"
+    ) as info:
         hi.iterate_bounded_streams_until_termination(
             {"w": np.zeros(1)}, hi.ReplayableDataStreamList.not_replay(data), config, body
         )
+    # raised in the root (without it the coordinator would meet the same merge)
+    assert "the feedback tree's root" in str(info.value)
+    assert "combining feedback" in str(info.value)
 
 
-# -- the pure parts ------------------------------------------------------------------------
+# -- the pure parts ---
+
+
+class _Remote:
+    """``handle.method.remote(...)`` of a stand-in actor: a coroutine to await."""
+
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _StubCoordinator:
+    """Records the root's calls; answers each member with ``aligned`` = its pid (so a
+    reply handed to the wrong member shows)."""
+
+    def __init__(self):
+        self.calls, self.failures = [], []
+
+        async def report_group(first, epoch, members, combined, attempt=0):
+            self.calls.append((first, epoch, [m[0] for m in members], combined))
+            return [Reply(epoch, False, m[0]) for m in members]
+
+        async def fail(failure, attempt=0):
+            self.failures.append(failure)
+
+        self.report_group, self.fail = _Remote(report_group), _Remote(fail)
+
+
+def _root_run(combiner, arrival, partials):
+    import asyncio
+
+    import cloudpickle
+
+    from coordinator._tree import RootAggregator, TreeSpec
+
+    bounds = [(0, 3), (3, 6), (6, 8)]
+    stub = _StubCoordinator()
+
+    async def main():
+        root = RootAggregator(stub, bounds, TreeSpec(cloudpickle.dumps(combiner), 2))
+        calls = {}
+        for lo in arrival:  # groups call in this order
+            hi_ = dict(bounds)[lo]
+            members = [(p, 0, Emissions(combined_count=1), None) for p in range(lo, hi_)]
+            combined = Emissions(feedback=[partials[lo]], combined_count=0)
+            calls[lo] = asyncio.ensure_future(root.report_group(lo, 1, members, combined, 0))
+            await asyncio.sleep(0)  # let it register before the next group calls
+        return {lo: await asyncio.wait_for(c, 10) for lo, c in calls.items()}
+
+    return stub, asyncio.run(main())
+
+
+def test_the_root_merges_groups_in_partition_order_and_routes_each_reply():
+    """Groups call in the order 6, 0, 3; the root folds their partials by first
+    partition (1e16 + -1e16 + 1.0 = 1.0; in arrival order it would be 0.0), makes one
+    call with the members in partition order and hands each group its own replies."""
+    partials = {0: 1e16, 3: -1e16, 6: 1.0}
+    stub, replies = _root_run("sum", [6, 0, 3], partials)
+    ((first, epoch, pids, combined),) = stub.calls
+    assert (first, epoch, pids) == (0, 1, list(range(8)))
+    assert combined.feedback == [1.0] and combined.combined_count == 0
+    assert combined.feedback[0] == fold([partials[k] for k in sorted(partials)], SumCombiner())
+    for lo, hi_ in [(0, 3), (3, 6), (6, 8)]:
+        assert [r.aligned for r in replies[lo]] == list(range(lo, hi_))
+
+
+def test_a_merge_failing_in_the_root_answers_every_group_and_tells_the_coordinator():
+    class Broken:
+        def merge(self, a, b):
+            raise ArithmeticError("cannot merge")
+
+    stub, replies = _root_run(Broken(), [3, 6, 0], {0: 1.0, 3: 2.0, 6: 3.0})
+    assert stub.calls == []  # nothing forwarded
+    (failure,) = stub.failures
+    assert "cannot merge" in str(failure) and "the feedback tree's root" in str(failure)
+    for lo, n in [(0, 3), (3, 3), (6, 2)]:
+        assert len(replies[lo]) == n
+        assert all(r.terminated and r.error is failure for r in replies[lo])
+
+
+def test_a_group_call_resolves_once_every_member_has_its_reply_in_member_order():
+    import asyncio
+
+    from coordinator._actor import _GroupCall, _Member
+
+    async def main():
+        call = _GroupCall(3, asyncio.get_running_loop().create_future())
+        members = [_Member(call, i) for i in range(3)]
+        a, b, c = (Reply(1, False, k) for k in range(3))
+        members[2].set_result(c)
+        members[0].set_result(a)
+        assert not call.future.done() and members[0].done() and not members[1].done()
+        members[1].set_result(b)
+        assert call.future.done()
+        with pytest.raises(asyncio.InvalidStateError):
+            members[1].set_result(b)
+        return await call.future
+
+    assert [r.aligned for r in asyncio.run(main())] == [0, 1, 2]
+
+
+# -- the merge logic ---------------------------------------------------------------------
 
 
 def test_sum_merges_structures_in_a_fixed_left_to_right_order():
