@@ -305,24 +305,111 @@ class CoordinatorTree:
                 pass  # a dead group: its members fail on their own
 
 
-class GroupAggregator:
+class _Aggregator:
+    """What a group and the root share. The calls of one ``(attempt, call)`` key are
+    held until ``expected`` have arrived; then their records are merged (``_merge``)
+    and sent upstream in one ``report_group`` call, whose replies go back to the callers
+    in order: one reply to a caller that waits for one (``size`` None), a slice of
+    ``size`` replies to one that waits for a list. A merge that fails, or a failure the
+    coordinator recorded (``abort``), answers every waiting caller: nobody waits forever.
+    All public methods are called through Ray."""
+
+    #: names the aggregator in a failure
+    where = "a feedback aggregator"
+
+    def __init__(self, coordinator: Any, upstream: Any, expected: int, spec: TreeSpec) -> None:
+        self.coord = coordinator
+        #: where the merged calls go: the root aggregator, or the coordinator itself
+        self.up = upstream
+        self.expected = expected
+        self.combiner = spec.load()
+        #: (attempt, call) -> caller index -> (size, payload, future)
+        self._calls: dict[tuple[int, int], dict[int, tuple[int | None, Any, Any]]] = {}
+        self._failure: Any = None
+        self.forwarded = 0
+
+    async def _hold(self, key: tuple[int, int], index: int, size: int | None, payload: Any) -> Any:
+        if self._failure is not None:
+            return _answer(Reply(key[1], True, -1, None, self._failure), size)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        calls = self._calls.setdefault(key, {})
+        calls[index] = (size, payload, fut)
+        if len(calls) == self.expected:
+            del self._calls[key]
+            _keep(asyncio.get_running_loop().create_task(self._forward(key, calls)))
+        return await fut
+
+    def _merge(self, order: list[int], payloads: list[Any]) -> tuple[int, list[Any], Emissions]:
+        """``(first pid, member records, merged feedback)`` of the callers' payloads."""
+        raise NotImplementedError
+
+    async def _forward(self, key: tuple[int, int], calls: dict[int, Any]) -> None:
+        attempt, epoch = key
+        order = sorted(calls)
+        entries = [calls[i] for i in order]
+        try:
+            first, members, combined = self._merge(order, [e[1] for e in entries])
+        except Exception as ex:  # a combiner that cannot merge: fail the run, never hang
+            await self._fail(ex, key, entries)
+            return
+        self.forwarded += 1
+        try:
+            replies = await self.up.report_group.remote(first, epoch, members, combined, attempt)
+        except Exception as ex:  # upstream died: the callers fail with the cause
+            for *_, fut in entries:
+                if not fut.done():
+                    fut.set_exception(ex)
+            return
+        at = 0
+        for size, _, fut in entries:
+            if not fut.done():
+                fut.set_result(replies[at] if size is None else replies[at : at + size])
+            at += 1 if size is None else size
+
+    async def _fail(self, ex: Exception, key: tuple[int, int], entries: list[Any]) -> None:
+        """Merging failed (arrays of different shapes, a user's ``merge`` raised): the run
+        fails with the cause. The coordinator records it first (so the driver finds the
+        cause when the members stop, and every other subtask stops too), then the
+        waiting callers get it as their reply."""
+        from ._errors import RemoteFailure
+
+        attempt, epoch = key
+        failure = RemoteFailure.capture(
+            ex, source=self.where, epoch=epoch, where="combining feedback"
+        )
+        try:
+            await asyncio.wait_for(self.coord.fail.remote(failure, attempt), 60)
+        except Exception:
+            pass  # the coordinator died or is stuck: the callers still get the failure
+        reply = Reply(epoch, True, -1, None, failure)
+        for size, _, fut in entries:
+            if not fut.done():
+                fut.set_result(_answer(reply, size))
+
+    async def abort(self, failure: Any) -> None:
+        """The coordinator recorded a failure: answer every waiting caller with it."""
+        self._failure = failure
+        calls, self._calls = self._calls, {}
+        for (_, epoch), entries in calls.items():
+            reply = Reply(epoch, True, -1, None, failure)
+            for size, _, fut in entries.values():
+                if not fut.done():
+                    fut.set_result(_answer(reply, size))
+
+
+class GroupAggregator(_Aggregator):
     """One group of subtasks ``[lo, hi)``: collects their call ``k``, merges their
-    feedback in partition order and makes one ``report_group`` call to the coordinator.
-    An asyncio Ray actor owned by the coordinator. All public methods are called
-    through Ray."""
+    feedback in partition order and makes one ``report_group`` call (to the root
+    aggregator, or to the coordinator). An asyncio Ray actor owned by the coordinator."""
 
     def __init__(
         self, coordinator: Any, lo: int, hi: int, spec: TreeSpec, upstream: Any = None
     ) -> None:
-        self.coord = coordinator
-        #: where the group's calls go: the root aggregator, or the coordinator itself
-        self.up = upstream if upstream is not None else coordinator
+        super().__init__(
+            coordinator, upstream if upstream is not None else coordinator, hi - lo, spec
+        )
         self.lo, self.hi = lo, hi
-        self.combiner = spec.load()
-        #: (attempt, call) -> pid -> (known_version, emissions, rows, future)
-        self._calls: dict[tuple[int, int], dict[int, tuple[int, Emissions, Any, Any]]] = {}
-        self._failure: Any = None
-        self.forwarded = 0
+        self.where = f"feedback group [{lo}, {hi})"
 
     async def report(
         self,
@@ -337,39 +424,12 @@ class GroupAggregator:
         """Member ``pid``'s call ``epoch``: returns the coordinator's reply to it. The
         coordinator's ``report`` signature; ``offered`` is always None here (a member of a
         tree is asked for its checkpoint state and answers the coordinator directly)."""
-        if self._failure is not None:
-            return Reply(epoch, True, -1, None, self._failure)
-        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        key = (attempt, epoch)
-        calls = self._calls.setdefault(key, {})
-        calls[pid] = (known_version, emissions, rows, fut)
-        if len(calls) == self.hi - self.lo:
-            del self._calls[key]
-            _keep(asyncio.get_running_loop().create_task(self._forward(key, calls)))
-        return await fut
+        reply: Reply = await self._hold(
+            (attempt, epoch), pid, None, (known_version, emissions, rows)
+        )
+        return reply
 
-    async def _forward(self, key: tuple[int, int], calls: dict[int, Any]) -> None:
-        attempt, epoch = key
-        pids = sorted(calls)
-        futures = [calls[p][3] for p in pids]
-        try:
-            members, combined = self._merge(pids, calls)
-        except Exception as ex:  # a combiner that cannot merge: fail the run, never hang
-            await _fail_all(self.coord, ex, f"feedback group [{self.lo}, {self.hi})", key, futures)
-            return
-        self.forwarded += 1
-        try:
-            replies = await self.up.report_group.remote(self.lo, epoch, members, combined, attempt)
-        except Exception as ex:  # the coordinator died: the members fail with the cause
-            for fut in futures:
-                if not fut.done():
-                    fut.set_exception(ex)
-            return
-        for fut, reply in zip(futures, replies):
-            if not fut.done():
-                fut.set_result(reply)
-
-    def _merge(self, pids: list[int], calls: dict[int, Any]) -> tuple[list[Any], Emissions]:
+    def _merge(self, order: list[int], payloads: list[Any]) -> tuple[int, list[Any], Emissions]:
         """The members' records without feedback, and their feedback merged."""
         members = []
         partial = []
@@ -377,8 +437,7 @@ class GroupAggregator:
         # members that emitted nothing but feedback (the common case) share one record
         # per (criteria, count): the call pickles it once, not once per member
         alike: dict[tuple[int, int | None], Emissions] = {}
-        for p in pids:
-            kv, em, rows, _ = calls[p]
+        for p, (kv, em, rows) in zip(order, payloads):
             em = precombine(em, self.combiner)
             partial += em.feedback
             partial_round += em.round_feedback
@@ -390,23 +449,14 @@ class GroupAggregator:
                     key, Emissions(criteria=em.criteria, combined_count=em.combined_count)
                 )
             members.append((p, kv, rest, rows))  # feedback travels once, merged
-        return members, _merged(partial, partial_round, self.combiner)
-
-    async def abort(self, failure: Any) -> None:
-        """The coordinator recorded a failure: answer every waiting member with it."""
-        self._failure = failure
-        calls, self._calls = self._calls, {}
-        for (_, epoch), members in calls.items():
-            for *_, fut in members.values():
-                if not fut.done():
-                    fut.set_result(Reply(epoch, True, -1, None, failure))
+        return self.lo, members, _merged(partial, partial_round, self.combiner)
 
     async def info(self) -> dict[str, Any]:
         """Counters; ``cpu_seconds``: this group process's CPU time so far."""
         return {"lo": self.lo, "hi": self.hi, "forwarded": self.forwarded, "cpu_seconds": _cpu()}
 
 
-class RootAggregator:
+class RootAggregator(_Aggregator):
     """Between the groups and the coordinator: waits for every group's call ``k``, merges
     their feedback in partition order and makes one ``report_group`` call for all their
     members, so the coordinator receives one call per epoch however many groups there
@@ -415,14 +465,10 @@ class RootAggregator:
     the totals are the same bits as if the groups called the coordinator. An asyncio Ray
     actor owned by the coordinator; its ``report_group`` has the coordinator's signature."""
 
+    where = "the feedback tree's root"
+
     def __init__(self, coordinator: Any, bounds: Sequence[tuple[int, int]], spec: TreeSpec):
-        self.coord = coordinator
-        self.firsts = [lo for lo, _ in bounds]
-        self.combiner = spec.load()
-        #: (attempt, call) -> first pid of a group -> (members, combined, future)
-        self._calls: dict[tuple[int, int], dict[int, tuple[Any, Emissions, Any]]] = {}
-        self._failure: Any = None
-        self.forwarded = 0
+        super().__init__(coordinator, coordinator, len(bounds), spec)
 
     async def report_group(
         self,
@@ -432,61 +478,28 @@ class RootAggregator:
         combined: Emissions,
         attempt: int = 0,
     ) -> list[Reply]:
-        if self._failure is not None:
-            return [Reply(epoch, True, -1, None, self._failure)] * len(members)
-        fut: asyncio.Future[list[Reply]] = asyncio.get_running_loop().create_future()
-        key = (attempt, epoch)
-        calls = self._calls.setdefault(key, {})
-        calls[first_pid] = (members, combined, fut)
-        if len(calls) == len(self.firsts):
-            del self._calls[key]
-            _keep(asyncio.get_running_loop().create_task(self._forward(key, calls)))
-        return await fut
+        replies: list[Reply] = await self._hold(
+            (attempt, epoch), first_pid, len(members), (members, combined)
+        )
+        return replies
 
-    async def _forward(self, key: tuple[int, int], calls: dict[int, Any]) -> None:
-        attempt, epoch = key
-        firsts = sorted(calls)
-        futures = [calls[f][2] for f in firsts]
-        members = [m for f in firsts for m in calls[f][0]]
-        try:
-            combined = _merged(
-                [v for f in firsts for v in calls[f][1].feedback],
-                [v for f in firsts for v in calls[f][1].round_feedback],
-                self.combiner,
-            )
-        except Exception as ex:  # a combiner that cannot merge: fail the run, never hang
-            counts = [len(calls[f][0]) for f in firsts]
-            await _fail_all(self.coord, ex, "the feedback tree's root", key, futures, counts)
-            return
-        self.forwarded += 1
-        try:
-            replies = await self.coord.report_group.remote(
-                firsts[0], epoch, members, combined, attempt
-            )
-        except Exception as ex:  # the coordinator died: the groups fail with the cause
-            for fut in futures:
-                if not fut.done():
-                    fut.set_exception(ex)
-            return
-        at = 0
-        for f, fut in zip(firsts, futures):
-            n = len(calls[f][0])
-            if not fut.done():
-                fut.set_result(replies[at : at + n])
-            at += n
-
-    async def abort(self, failure: Any) -> None:
-        """The coordinator recorded a failure: answer every waiting group with it."""
-        self._failure = failure
-        calls, self._calls = self._calls, {}
-        for (_, epoch), groups in calls.items():
-            for members, _, fut in groups.values():
-                if not fut.done():
-                    fut.set_result([Reply(epoch, True, -1, None, failure)] * len(members))
+    def _merge(self, order: list[int], payloads: list[Any]) -> tuple[int, list[Any], Emissions]:
+        members = [m for group, _ in payloads for m in group]
+        combined = _merged(
+            [v for _, em in payloads for v in em.feedback],
+            [v for _, em in payloads for v in em.round_feedback],
+            self.combiner,
+        )
+        return order[0], members, combined
 
     async def info(self) -> dict[str, Any]:
         """Counters; ``cpu_seconds``: this process's CPU time so far."""
-        return {"groups": len(self.firsts), "forwarded": self.forwarded, "cpu_seconds": _cpu()}
+        return {"groups": self.expected, "forwarded": self.forwarded, "cpu_seconds": _cpu()}
+
+
+def _answer(reply: Reply, size: int | None) -> Any:
+    """``reply`` for a caller that waits for one, else ``size`` of it."""
+    return reply if size is None else [reply] * size
 
 
 def _merged(main: list[Any], round_: list[Any], combiner: Any) -> Emissions:
@@ -496,32 +509,6 @@ def _merged(main: list[Any], round_: list[Any], combiner: Any) -> Emissions:
         round_feedback=[fold(round_, combiner)] if round_ else [],
         combined_count=0,
     )
-
-
-async def _fail_all(
-    coord: Any,
-    ex: Exception,
-    where: str,
-    key: tuple[int, int],
-    futures: Sequence[Any],
-    counts: Sequence[int] | None = None,
-) -> None:
-    """Merging failed in an aggregator (e.g. arrays of different shapes, or a user's
-    ``merge`` raised): the run fails with the cause. The waiting members (or groups of
-    ``counts`` members) get the failure as their reply, and the coordinator records it
-    so that every other subtask stops too."""
-    from ._errors import RemoteFailure
-
-    attempt, epoch = key
-    failure = RemoteFailure.capture(ex, source=where, epoch=epoch, where="combining feedback")
-    try:  # first, so the driver finds the cause when the members stop
-        await asyncio.wait_for(coord.fail.remote(failure, attempt), 60)
-    except Exception:
-        pass  # the coordinator died or is stuck: the members still get the failure
-    reply = Reply(epoch, True, -1, None, failure)
-    for i, fut in enumerate(futures):
-        if not fut.done():
-            fut.set_result(reply if counts is None else [reply] * counts[i])
 
 
 #: forwarding tasks in flight (the event loop keeps only weak references to tasks)
