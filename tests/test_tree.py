@@ -195,7 +195,11 @@ def test_arrays_a_group_cannot_sum_fail_the_run_instead_of_hanging(data):
             out.feedback(np.ones(4 if ctx.partition_id == 3 else 3))
 
     body = hi.IterationBody(
-        partition=Ragged(), coordinator=Summer(), feedback_combine="sum", feedback_fan_in=2
+        partition=Ragged(),
+        coordinator=Summer(),
+        feedback_combine="sum",
+        feedback_fan_in=2,
+        criteria=True,
     )
     config = hi.IterationConfig(staleness=0, max_epochs=3, parallelism=PARTS, progress=False)
     with pytest.raises(hi.IterationFailedError, match=r"shapes \(3,\) and \(4,\)") as info:
@@ -226,7 +230,11 @@ def test_a_merge_that_raises_in_the_root_fails_the_run(data):
             self.acc = value
 
     body = hi.IterationBody(
-        partition=One(), coordinator=Count(), feedback_combine=Picky(), feedback_fan_in=2
+        partition=One(),
+        coordinator=Count(),
+        feedback_combine=Picky(),
+        feedback_fan_in=2,
+        criteria=True,
     )
     config = hi.IterationConfig(staleness=0, max_epochs=3, parallelism=PARTS, progress=False)
     with pytest.raises(
@@ -405,3 +413,52 @@ def test_the_scale_harness_at_64_subtasks_flat_and_tree(session):
     assert tree["process_feedback_calls_per_epoch"] == 1
     assert tree["coordinator_bytes_in_per_epoch"] < flat["coordinator_bytes_in_per_epoch"] / 10
     assert bench.fit_growth([2, 4, 8], [1.0, 2.0, 4.0]) == pytest.approx(1.0)
+
+
+def _sigkill_process_named(marker: bytes) -> int | None:
+    """SIGKILL the one process whose command line holds ``marker`` (from outside: not
+    through Ray); its pid, or None."""
+    import os
+    import signal
+
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if marker in cmd:
+            os.kill(int(pid), signal.SIGKILL)
+            return int(pid)
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_a_root_aggregator_killed_from_outside_fails_the_run_naming_it(data, tmp_path):
+    """SIGKILL the root aggregator's process in the middle of a run (no checkpoints, so
+    nothing to restart from): the run fails with an error that says an actor died; no
+    hang, no result that lacks some partitions' feedback."""
+    flag = tmp_path / "killed"
+
+    class KillRoot(Noisy):
+        def on_epoch_watermark_incremented(self, epoch, ctx, out):
+            if epoch == 1 and ctx.partition_id == 0 and not flag.exists():
+                flag.write_text(str(_sigkill_process_named(b"RootAggregator")))
+            out.feedback(np.ones(3))
+
+    body = hi.IterationBody(
+        partition=KillRoot(),
+        coordinator=Summer(3),
+        feedback_combine="sum",
+        feedback_fan_in=2,
+        criteria=True,
+    )
+    config = hi.IterationConfig(staleness=0, max_epochs=10, parallelism=PARTS, progress=False)
+    with pytest.raises(hi.IterationFailedError) as info:
+        hi.iterate_bounded_streams_until_termination(
+            {"w": np.zeros(1)}, hi.ReplayableDataStreamList.not_replay(data), config, body
+        )
+    assert flag.read_text() != "None"  # the root was found and killed
+    assert "ActorDiedError" in str(info.value)
