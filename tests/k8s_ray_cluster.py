@@ -61,6 +61,11 @@ def main(spec_path: str) -> int:
         spec = json.load(f)
     # Block the stop signals first: sigwait() below takes them, no handler races.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    # Cluster() records the head's address in <RAY_TMPDIR>/ray/ray_current_cluster
+    # (default /tmp/ray, shared by every Ray on the machine and absent on a fresh one):
+    # keep that file inside this cluster's own directory.
+    os.environ["RAY_TMPDIR"] = spec["temp_dir"]
+    os.makedirs(os.path.join(spec["temp_dir"], "ray"), exist_ok=True)
     from ray.cluster_utils import Cluster
 
     head, *workers = spec["nodes"]
