@@ -33,6 +33,7 @@ import shlex
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,9 @@ BUILDS = {
     "base": K8S,
     "laptop": K8S / "overlays" / "laptop",
     "production": K8S / "overlays" / "production",
+    # the same with the Ray TLS components (k8s/components/ray-tls*)
+    "laptop-tls": K8S / "overlays" / "laptop-tls",
+    "production-tls": K8S / "overlays" / "production-tls",
 }
 #: The KubeRay CRDs, shipped with the tests (tests/data/k8s-crds/README.md: source, license).
 CRDS = Path(os.environ.get("HYBRID_ITER_KUBERAY_CRDS", ROOT / "tests" / "data" / "k8s-crds"))
@@ -108,6 +112,29 @@ AUTOSCALER_RULES = {
     ("", "pods"): {"get", "list", "watch", "patch"},
     ("", "pods/resize"): {"patch"},
     ("ray.io", "rayclusters"): {"get", "patch"},
+}
+#: Secrets the user creates (k8s/README.md, "Secrets") and KubeRay's token Secret.
+CHECKPOINT_KEY_SECRET = "hybrid-iter-checkpoint-key"
+RAY_TLS_CA_SECRET = "hybrid-iter-ray-tls-ca"
+#: The only environment variables that come from a Secret, per container:
+#: name -> (Secret, key, optional). None of them is a Kubernetes API credential.
+SECRET_ENV = {
+    # the driver and the coordinator run in the head container
+    "ray-head": {
+        "HYBRID_ITER_CHECKPOINT_KEY": (CHECKPOINT_KEY_SECRET, "key", False),
+        "HYBRID_ITER_CHECKPOINT_PREVIOUS_KEY": (CHECKPOINT_KEY_SECRET, "previous-key", True),
+    },
+    # the workers' GCS wait, with the Ray token KubeRay keeps in the Secret named after
+    # the RayCluster (it gives the Ray containers the same)
+    "wait-gcs-ready": {"RAY_AUTH_TOKEN": (CLUSTER, "auth_token", False)},
+}
+#: Ray's TLS variables (k8s/components/ray-tls) and where the certificate volume is.
+RAY_TLS_DIR = "/etc/hybrid-iter/tls"
+RAY_TLS_ENV = {
+    "RAY_USE_TLS": "1",
+    "RAY_TLS_SERVER_CERT": f"{RAY_TLS_DIR}/tls.crt",
+    "RAY_TLS_SERVER_KEY": f"{RAY_TLS_DIR}/tls.key",
+    "RAY_TLS_CA_CERT": f"{RAY_TLS_DIR}/ca.crt",
 }
 BUILD_TOOLS = re.compile(
     r"\b(gcc|g\+\+|clang|make|cmake|build-essential|git|curl|wget|[a-z0-9.+-]+-dev)\b"
@@ -195,6 +222,14 @@ def pod_templates(docs: list[dict[str, Any]]) -> list[PodTemplate]:
     return found
 
 
+def is_production(name: str) -> bool:
+    return name.startswith("production")
+
+
+def has_tls(name: str) -> bool:
+    return name.endswith("-tls")
+
+
 def quantity(text: str | int | float) -> float:
     """A Kubernetes quantity (``5Gi``, ``500m``, ``2``) as a number."""
     m = re.fullmatch(r"([0-9.]+)(Ki|Mi|Gi|Ti|k|M|G|T|m)?", str(text))
@@ -209,8 +244,10 @@ def test_every_build_renders_the_whole_stack_in_its_own_namespace(builds):
         kinds = sorted(d["kind"] for d in docs)
         expected = ["Namespace", *["NetworkPolicy"] * 8, "RayCluster"]
         expected += ["RayJob", "ServiceAccount", "ServiceAccount"]
-        if name == "production":
+        if is_production(name):
             expected += ["NetworkPolicy", "Role", "RoleBinding"]
+        if has_tls(name):
+            expected += ["ConfigMap"]  # the certificate script (k8s/components/ray-tls)
         assert kinds == sorted(expected), (name, kinds)
         namespace = one(docs, "Namespace")["metadata"]["name"]
         assert namespace not in ("default", "kube-system")
@@ -509,11 +546,16 @@ def test_rbac_is_least_privilege(builds):
 
 
 def _token_volumes(pod: PodTemplate) -> dict[str, dict[str, Any]]:
-    """Volumes of the pod that carry an API credential (a projected token, a secret)."""
+    """Volumes of the pod that carry an API credential (a projected token, a secret other
+    than the Ray TLS CA, which test_ray_tls_reaches_every_ray_container_and_the_ca_key_only_
+    its_issuer confines)."""
     found = {}
     for volume in pod.spec.get("volumes", []):
         sources = volume.get("projected", {}).get("sources", [])
-        if "secret" in volume or any("serviceAccountToken" in src for src in sources):
+        secret = volume.get("secret")
+        if (secret and secret["secretName"] != RAY_TLS_CA_SECRET) or any(
+            "serviceAccountToken" in src for src in sources
+        ):
             found[volume["name"]] = volume
     return found
 
@@ -532,7 +574,11 @@ def test_only_the_autoscaler_container_holds_an_api_token(builds):
                 assert not {m["name"] for m in mounts} & set(tokens), f"{where} {c['name']}"
                 assert not any(m["mountPath"].startswith("/var/run/secrets") for m in mounts)
                 for var in c.get("env", []):  # nor a credential through the environment
-                    assert "secretKeyRef" not in var.get("valueFrom", {}), (where, var["name"])
+                    ref = var.get("valueFrom", {}).get("secretKeyRef")
+                    if ref is not None:  # only the Secrets listed in SECRET_ENV
+                        allowed = SECRET_ENV.get(c["name"], {}).get(var["name"])
+                        assert allowed is not None, (where, c["name"], var["name"])
+                        assert (ref["name"], ref["key"], ref.get("optional", False)) == allowed
             if pod.role != "head" or not rc.get("enableInTreeAutoscaling"):
                 assert not tokens, where
                 continue
@@ -762,8 +808,16 @@ def test_pods_narrow_the_ephemeral_range_to_the_admitted_one(builds):
 
 METADATA_ADDRESSES = ("169.254.169.254", "fd00:ec2::254", "169.254.170.2")
 KUBE_DNS = Pod("coredns", "kube-system", {"k8s-app": "kube-dns"})
-PUBLIC_OBJECT_STORE = "52.216.0.10"  # an S3 address
-API_SERVER = "10.0.0.1"
+PUBLIC_OBJECT_STORE = "52.216.0.10"  # an S3 address, outside the shipped placeholder
+#: Addresses inside the placeholders the manifests ship for what the user sets.
+OBJECT_STORE = "203.0.113.10"  # base networkpolicies.yaml: your object store
+API_SERVER = "192.0.2.10"  # production egress.yaml: the API server's endpoints
+REDIS = "198.51.100.10"  # production egress.yaml: your Redis
+#: Documentation ranges (RFC 5737, RFC 3849): reach nothing on a real network.
+DOCUMENTATION_NETS = tuple(
+    ipaddress.ip_network(n)
+    for n in ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24", "2001:db8::/32")
+)
 
 
 def egress_admitted(
@@ -824,57 +878,101 @@ def egress_admitted(
     return False
 
 
-def test_egress_is_denied_but_for_dns_the_cluster_and_https_never_the_metadata_service(builds):
-    """k8s/README.md, "Network": what each pod may reach, and the metadata address never."""
+def _ip_blocks(policies: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for p in policies:
+        for rule in p["spec"].get("egress", []):
+            for peer in rule.get("to", []):
+                if "ipBlock" in peer:
+                    yield p["metadata"]["name"], peer["ipBlock"]
+
+
+def test_egress_is_narrowed_per_port_never_to_the_internet_nor_the_metadata_service(builds):
+    """k8s/README.md, "Network": what each pod may open, port by port; no rule reaches
+    0.0.0.0/0, and the addresses to set ship as placeholders that reach nothing."""
     for name, docs in builds.items():
         namespace = one(docs, "Namespace")["metadata"]["name"]
         policies = of_kind(docs, "NetworkPolicy")
         for p in policies:
             for rule in p["spec"].get("egress", []):
                 assert rule.get("to"), f"{name}: {p['metadata']['name']} allows any destination"
-                for peer in rule["to"]:
-                    block = peer.get("ipBlock")
-                    if block is None:
-                        continue
-                    net = ipaddress.ip_network(block["cidr"])
-                    for address in METADATA_ADDRESSES:
-                        ip = ipaddress.ip_address(address)
-                        if ip.version == net.version and ip in net:
-                            assert any(
-                                ip in ipaddress.ip_network(e) for e in block.get("except", [])
-                            ), (name, p["metadata"]["name"], address)
+                assert rule.get("ports"), f"{name}: {p['metadata']['name']} allows any port"
+        for policy, block in _ip_blocks(policies):
+            net = ipaddress.ip_network(block["cidr"])
+            assert any(net.subnet_of(d) for d in DOCUMENTATION_NETS if d.version == net.version), (
+                f"{name}: {policy} ships {net}: an address to set must ship as a documentation "
+                f"placeholder (RFC 5737 / 3849) that reaches nothing, never a real range"
+            )
         templates = pod_templates(docs)
         job_name = one(docs, "RayJob")["metadata"]["name"]
         pods = {t.role: kuberay_pod(namespace, t, job_name) for t in templates}
         head, worker, submitter = pods["head"], pods["worker"], pods["submitter"]
-        autoscaling = bool(one(docs, "RayCluster")["spec"].get("enableInTreeAutoscaling"))
+        spec = one(docs, "RayCluster")["spec"]
+        autoscaling = bool(spec.get("enableInTreeAutoscaling"))
+        redis = spec.get("gcsFaultToleranceOptions") is not None
+        stranger = Pod("other-app", namespace, {"app": "notebook"})
         for source in (head, worker, submitter):
             where = (name, source.name)
-            for address in METADATA_ADDRESSES:
-                for port in (80, 443, 53, 6379, 6443, 8080):
+            for address in (*METADATA_ADDRESSES, "8.8.8.8", PUBLIC_OBJECT_STORE, "10.0.0.1"):
+                for port in (53, 80, 443, 6379, 6443, 8080):
                     assert not egress_admitted(policies, source, address, port), (*where, address)
+            # 53: the cluster DNS only
             assert egress_admitted(policies, source, KUBE_DNS, 53, "UDP"), where
             assert egress_admitted(policies, source, KUBE_DNS, 53, "TCP"), where
             assert not egress_admitted(policies, source, KUBE_DNS, 8080), where
-            assert not egress_admitted(policies, source, "8.8.8.8", 53, "UDP"), where
-            stranger = Pod("other-app", namespace, {"app": "notebook"})
             assert not egress_admitted(policies, source, stranger, 8080), where
-        for source in (head, worker):  # Ray and Spark between the cluster's pods, data
+            assert not egress_admitted(policies, source, stranger, 53, "UDP"), where
+        for source in (head, worker):
+            # Ray's and Spark's ports between the pods of the cluster, nothing else there
             for dest in (head, worker):
-                for port in (6379, 6380, 7078, 10002, 20000, 52365):
+                for port in (6379, 6380, 7078, 8265, 10002, 20000, 52365):
                     assert egress_admitted(policies, source, dest, port), (name, source.name, port)
-            assert egress_admitted(policies, source, PUBLIC_OBJECT_STORE, 443), source.name
-            for port in (22, 80, 3306):
-                assert not egress_admitted(policies, source, PUBLIC_OBJECT_STORE, port), port
-        # The submitter reaches the head's job API and nothing else of the cluster.
+                for port in (22, 3306, 5432, 8080, RAY_CLIENT_PORT):
+                    assert not egress_admitted(policies, source, dest, port), (name, port)
+            # 443: the object store's addresses only (the placeholder until set)
+            assert egress_admitted(policies, source, OBJECT_STORE, 443), (name, source.name)
+            for port in (22, 80, 3306, 6443):
+                assert not egress_admitted(policies, source, OBJECT_STORE, port), (name, port)
+        # The submitter: the head's job API, nothing else of the cluster or outside.
         assert egress_admitted(policies, submitter, head, 8265)
         assert not egress_admitted(policies, submitter, head, 6379)
         assert not egress_admitted(policies, submitter, worker, 6380)
-        assert not egress_admitted(policies, submitter, PUBLIC_OBJECT_STORE, 443)
-        # The API server (6443) and Redis only for the production head (autoscaler, GCS).
-        for port in (6443, 6379):
+        assert not egress_admitted(policies, submitter, OBJECT_STORE, 443)
+        # The API server (6443, or 443) only from the head of an autoscaling cluster (its
+        # autoscaler sidecar), Redis (6379) only from the head of a GCS-fault-tolerant one.
+        for port in (6443, 443):
             assert egress_admitted(policies, head, API_SERVER, port) is autoscaling, (name, port)
             assert not egress_admitted(policies, worker, API_SERVER, port), (name, port)
+            assert not egress_admitted(policies, submitter, API_SERVER, port), (name, port)
+        assert egress_admitted(policies, head, REDIS, 6379) is redis, name
+        assert not egress_admitted(policies, head, REDIS, 443), name
+        assert not egress_admitted(policies, worker, REDIS, 6379), name
+
+
+def test_the_readme_documents_every_egress_rule_port_by_port(builds):
+    """Each egress policy has its row in k8s/README.md's egress table, naming each of its
+    ports and what the placeholder addresses stand for."""
+    readme = (K8S / "README.md").read_text()
+    rows = {
+        m.group(1): m.group(0)
+        for m in re.finditer(r"^\| `([a-z0-9-]+)`[^\n]*\|$", readme, re.MULTILINE)
+    }
+    documented = set()
+    for name, docs in builds.items():
+        for p in of_kind(docs, "NetworkPolicy"):
+            egress = p["spec"].get("egress", [])
+            if not egress:
+                continue
+            policy = p["metadata"]["name"]
+            assert policy in rows, f"{policy} ({name}) has no row in k8s/README.md's egress table"
+            row = rows[policy]
+            for rule in egress:
+                for port in rule["ports"]:
+                    for number in (port["port"], port.get("endPort", port["port"])):
+                        assert re.search(rf"(?<![0-9.]){number}(?![0-9])", row), (policy, port)
+            for _, block in _ip_blocks([p]):
+                assert block["cidr"] in row, (policy, block["cidr"], row)
+            documented.add(policy)
+    assert {"hybrid-iter-egress-object-stores", "hybrid-iter-egress-head"} <= documented
 
 
 # -- sizing -------------------------------------------------------------------------------------
@@ -951,7 +1049,7 @@ def test_production_autoscales_and_keeps_gcs_state_in_the_users_redis(builds):
     for name, docs in builds.items():
         spec = one(docs, "RayCluster")["spec"]
         ft = spec.get("gcsFaultToleranceOptions")
-        if name != "production":
+        if not is_production(name):
             assert ft is None and not spec.get("enableInTreeAutoscaling"), name
             assert all(g["minReplicas"] == g["maxReplicas"] for g in spec["workerGroupSpecs"])
             continue
@@ -1034,14 +1132,60 @@ def test_the_lock_pins_every_package_with_hashes_and_the_build_requires_them():
     assert "--require-hashes" in install and "--no-deps" in install, install
 
 
-def test_production_images_are_pinned_by_digest(builds):
-    """k8s/README.md, "Production": the images there are referenced by digest."""
-    for pod in pod_templates(builds["production"]):
-        image = pod.container["image"]
-        assert re.fullmatch(r"[a-z0-9.-]+(/[a-z0-9._-]+)+@sha256:[0-9a-f]{64}", image), image
-    for name in ("base", "laptop"):  # local builds, loaded into kind by tag
-        for pod in pod_templates(builds[name]):
-            assert pod.container["image"] == "hybrid-iter:0.1.0", (name, pod.role)
+#: An image reference pinned by digest (an optional tag is for humans only).
+PINNED_IMAGE = re.compile(
+    r"[a-z0-9.-]+(:[0-9]+)?(/[a-z0-9._-]+)+(:[A-Za-z0-9_.-]+)?@sha256:[0-9a-f]{64}"
+)
+
+
+def _images(doc: Any) -> Iterator[str]:
+    """Every ``image`` field anywhere in a rendered object (containers, init containers,
+    the autoscaler's options)."""
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            if key == "image" and isinstance(value, str):
+                yield value
+            else:
+                yield from _images(value)
+    elif isinstance(doc, list):
+        for item in doc:
+            yield from _images(item)
+
+
+def _dockerfile_bases() -> list[str]:
+    """The image of every FROM of the recipe, build arguments resolved to their defaults."""
+    steps = dockerfile_instructions(IMAGE / "Dockerfile")
+    args = dict(a.split("=", 1) for i, a in steps if i == "ARG" and "=" in a)
+    stages = {a.split()[-1] for i, a in steps if i == "FROM" and " AS " in a.upper()}
+    bases = []
+    for ins, argument in steps:
+        if ins == "FROM":
+            image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], argument.split()[0])
+            if image not in stages:
+                bases.append(image)
+    return bases
+
+
+def test_every_image_is_pinned_by_digest(builds):
+    """k8s/README.md: every pod of every build runs its image by digest, and the recipe
+    builds on a base image by digest (a tag can be moved to other bytes, a digest cannot)."""
+    for name, docs in builds.items():
+        images = {image for d in docs for image in _images(d)}
+        assert images, name
+        for image in images:
+            assert PINNED_IMAGE.fullmatch(image), f"{name}: {image} is not pinned by digest"
+        # The placeholders the user replaces: the local registry of the kind setup, or
+        # (production) a reserved example domain.
+        expected = "registry.example.com/" if is_production(name) else "localhost:5001/"
+        assert all(i.startswith(expected) for i in images), (name, images)
+    bases = _dockerfile_bases()
+    assert bases, "no FROM"
+    for image in bases:
+        assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm@sha256:[0-9a-f]{64}", image), image
+    # The third-party image the README has you run (kind's local registry) too.
+    readme = (K8S / "README.md").read_text()
+    assert "registry:2@sha256:" in readme
+    assert not re.search(r"registry:2(?!@sha256:[0-9a-f]{64})", readme)
 
 
 def test_the_shipped_crds_are_the_ones_their_readme_names():
@@ -1062,8 +1206,8 @@ def test_image_base_is_pinned_and_the_final_stage_is_non_root_without_build_tool
     steps = dockerfile_instructions(IMAGE / "Dockerfile")
     args = dict(a.split("=", 1) for i, a in steps if i == "ARG" and "=" in a)
     base = args["PYTHON_IMAGE"]
-    # An exact patch-level tag of Python 3.11 on a named Debian release, or a digest.
-    assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm(@sha256:[0-9a-f]{64})?", base), base
+    # An exact patch-level tag of Python 3.11 on a named Debian release, and its digest.
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm@sha256:[0-9a-f]{64}", base), base
     stages = [i for i, (ins, _) in enumerate(steps) if ins == "FROM"]
     assert len(stages) >= 2, "multi-stage"
     for i in stages:
@@ -1146,10 +1290,15 @@ def test_image_pins_every_runtime_dependency_at_a_version_the_package_accepts():
     assert SpecifierSet(metadata("hybrid-iter")["Requires-Python"]).contains("3.11")
 
 
-# -- the RayJob's entrypoint, run locally ------------------------------------------------------
+# -- the pods' commands, run locally -----------------------------------------------------------
 
 ENTRYPOINT_TIMEOUT = 240  # seconds; about 45 s on 2 idle cores
 CLUSTER_TIMEOUT = 120
+COMMAND_TIMEOUT = 120
+#: Mounts a local run keeps as its own directories: the tests' temporary directory
+#: stands in for /tmp, Ray's object store for /dev/shm.
+LOCAL_MOUNTS = ("/tmp", "/dev/shm")
+_VAR_REF = re.compile(r"\$\((\w+)\)")
 
 
 def _free_port() -> int:
@@ -1171,11 +1320,182 @@ def _tagged(tag: str) -> list[int]:
     return found
 
 
+def resolve_env(
+    container: dict[str, Any],
+    *,
+    secrets_: dict[tuple[str, str], str],
+    fields: dict[str, str],
+) -> dict[str, str]:
+    """A container's environment as the kubelet gives it: ``$(VAR)`` references to the
+    variables before it expanded, the downward API's fields, Secret keys. A missing
+    optional Secret key leaves the variable unset; a missing required one fails (the
+    pod would not start: CreateContainerConfigError)."""
+    env: dict[str, str] = {}
+    for var in container.get("env", []):
+        name = var["name"]
+        if "value" in var:
+            env[name] = _VAR_REF.sub(lambda m: env.get(m.group(1), m.group(0)), var["value"])
+            continue
+        source = var["valueFrom"]
+        if "fieldRef" in source:
+            path = source["fieldRef"]["fieldPath"]
+            assert path in fields, f"{container['name']}: {name} from {path}"
+            env[name] = fields[path]
+            continue
+        ref = source["secretKeyRef"]
+        key = (ref["name"], ref["key"])
+        if key in secrets_:
+            env[name] = secrets_[key]
+        else:
+            assert ref.get("optional"), (
+                f"{container['name']}: {name} needs Secret {ref['name']} key {ref['key']}: "
+                f"the pod would not start"
+            )
+    return env
+
+
+class LocalPod:
+    """A pod of a build on this machine: each volume a directory (an emptyDir empty, a
+    Secret's and a ConfigMap's keys as files), each mount path rewritten to its
+    directory in the commands and variables of the containers, the pod's IP 127.0.0.1."""
+
+    def __init__(
+        self,
+        docs: list[dict[str, Any]],
+        template: PodTemplate,
+        root: Path,
+        secrets_: dict[tuple[str, str], str],
+    ) -> None:
+        self.template = template
+        self.root = root / template.role
+        self.secrets = secrets_
+        self.namespace = one(docs, "Namespace")["metadata"]["name"]
+        self.fields = {
+            "status.podIP": "127.0.0.1",
+            "metadata.name": f"{template.group}-local",
+            "metadata.namespace": self.namespace,
+        }
+        config_maps = {c["metadata"]["name"]: c for c in of_kind(docs, "ConfigMap")}
+        self.volumes: dict[str, Path] = {}
+        for volume in template.spec.get("volumes", []):
+            path = self.root / volume["name"]
+            path.mkdir(parents=True)
+            if "secret" in volume:
+                files = self._files(volume["secret"], volume["secret"]["secretName"], None)
+            elif "configMap" in volume:
+                cm = config_maps[volume["configMap"]["name"]]
+                files = self._files(volume["configMap"], cm["metadata"]["name"], cm["data"])
+            else:
+                files = {}
+            for name, text in files.items():
+                (path / name).write_text(text)
+            self.volumes[volume["name"]] = path
+
+    def _files(
+        self, source: dict[str, Any], name: str, data: dict[str, str] | None
+    ) -> dict[str, str]:
+        if data is None:
+            data = {k: v for (secret, k), v in self.secrets.items() if secret == name}
+        items = source.get("items") or [{"key": k, "path": k} for k in data]
+        missing = [i["key"] for i in items if i["key"] not in data]
+        assert not missing, f"{name} lacks {missing}: the pod would not start"
+        return {i["path"]: data[i["key"]] for i in items}
+
+    def container(self, name: str) -> dict[str, Any]:
+        spec = self.template.spec
+        (found,) = [
+            c for c in spec["containers"] + spec.get("initContainers", []) if c["name"] == name
+        ]
+        return found
+
+    def _localize(self, text: str, container: dict[str, Any]) -> str:
+        for mount in container.get("volumeMounts", []):
+            if mount["mountPath"] in LOCAL_MOUNTS:
+                continue
+            pattern = re.escape(mount["mountPath"]) + r"(?=/|\s|$)"
+            text = re.sub(pattern, str(self.volumes[mount["name"]]), text)
+        return text
+
+    def env(self, name: str) -> dict[str, str]:
+        container = self.container(name)
+        env = resolve_env(container, secrets_=self.secrets, fields=self.fields)
+        return {k: self._localize(v, container) for k, v in env.items()}
+
+    def argv(self, name: str) -> list[str]:
+        container = self.container(name)
+        argv = [*container.get("command", []), *container.get("args", [])]
+        return [self._localize(a, container) for a in argv]
+
+
+def run_init_container(
+    pod: LocalPod, name: str, base_env: dict[str, str], **overrides: str
+) -> tuple[int, str, float]:
+    """Run an init container's command; returns its exit status, its output and the
+    peak resident memory (MiB) of its largest process (``wait4`` of its process tree)."""
+    env = {**base_env, **pod.env(name), **overrides}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    out = pod.root / f"{name}.log"
+    with open(out, "w") as log:
+        proc = subprocess.Popen(
+            pod.argv(name),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=pod.root,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + COMMAND_TIMEOUT
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, status, usage = os.wait4(proc.pid, 0)
+            break
+        time.sleep(0.2)  # polling a child process, not test synchronisation
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, out.read_text(), usage.ru_maxrss / 1024
+
+
+def _ray_tls_ca(directory: Path) -> dict[tuple[str, str], str]:
+    """A CA made as k8s/README.md ("Ray TLS") makes it, as the Secret's keys."""
+    directory.mkdir(parents=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            str(directory / "ca.key"),
+            "-out",
+            str(directory / "ca.crt"),
+            "-days",
+            "30",
+            "-subj",
+            "/O=hybrid-iter/CN=hybrid-iter Ray CA",
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return {(RAY_TLS_CA_SECRET, key): (directory / key).read_text() for key in ("ca.crt", "ca.key")}
+
+
 class _LocalRayCluster:
     """The build's head and worker raylets on 127.0.0.1 (tests/k8s_ray_cluster.py), each
-    with its pod's rayStartParams and container environment."""
+    with its pod's rayStartParams and container environment (Secrets from stand-ins,
+    volumes as local directories: LocalPod)."""
 
-    def __init__(self, docs: list[dict[str, Any]]) -> None:
+    def __init__(self, docs: list[dict[str, Any]], extra_secrets: dict | None = None) -> None:
         self.docs = docs
         self.tmp = Path(tempfile.mkdtemp(prefix="hik8s-", dir="/tmp"))  # short: socket paths
         self.tag = secrets.token_hex(8)
@@ -1200,22 +1520,27 @@ class _LocalRayCluster:
             }
         )
         self.env = env
+        #: The Secrets the pods read: KubeRay's token Secret, the checkpoint key the user
+        #: creates (k8s/README.md, "Secrets"), and any others the caller gives.
+        self.secrets = {
+            (CLUSTER, "auth_token"): env["RAY_AUTH_TOKEN"],
+            (CHECKPOINT_KEY_SECRET, "key"): secrets.token_hex(32),
+            **(extra_secrets or {}),
+        }
+        self.pods = {
+            t.role: LocalPod(docs, t, self.tmp / "pods", self.secrets) for t in pod_templates(docs)
+        }
 
     def pod_env(self, pod: PodTemplate) -> dict[str, str]:
-        """The container's environment, as the pod's processes get it."""
-        env = dict(self.env)
-        for key, var in pod.env().items():
-            if "value" in var:
-                env[key] = var["value"]
-            else:  # the pod's IP, from the downward API
-                assert var["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}, key
-                env[key] = "127.0.0.1"
+        """The Ray container's environment, as the pod's processes get it."""
+        env = {**self.env, **self.pods[pod.role].env(pod.container["name"])}
         env["HOME"] = str(self.tmp)
         return env
 
     def start(self) -> None:
         rc = one(self.docs, "RayCluster")["spec"]
         nodes = []
+        head_env: dict[str, str] = {}
         for pod in pod_templates(self.docs):
             if pod.role == "submitter":
                 continue
@@ -1224,6 +1549,8 @@ class _LocalRayCluster:
                 replicas = next(g for g in rc["workerGroupSpecs"] if g["groupName"] == pod.group)[
                     "replicas"
                 ]
+            else:
+                head_env = self.pod_env(pod)
             node = {"ray_start_params": pod.ray_start_params, "env": self.pod_env(pod)}
             nodes += [node] * replicas
         spec = self.tmp / "cluster.json"
@@ -1231,9 +1558,10 @@ class _LocalRayCluster:
         spec.write_text(json.dumps({"temp_dir": str(self.tmp), "port": port, "nodes": nodes}))
         log = self.tmp / "cluster.log"
         with open(log, "w") as out:  # the child keeps its own copy
+            # The helper runs the head's GCS: it has the head container's environment.
             self.proc = subprocess.Popen(
                 [sys.executable, str(Path(__file__).with_name("k8s_ray_cluster.py")), str(spec)],
-                env=self.env,
+                env=head_env,
                 cwd=self.tmp,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -1280,6 +1608,11 @@ def entrypoint_run(builds) -> dict[str, Any]:
     try:
         cluster.start()
         cluster_seconds = time.perf_counter() - started
+        # The workers' init container waits for this GCS: its command, its environment
+        # (the head's Service name is the one substitution: the local GCS address).
+        gcs_wait = run_init_container(
+            cluster.pods["worker"], "wait-gcs-ready", cluster.env, HEAD_GCS_ADDRESS=cluster.address
+        )
         (head,) = [p for p in pod_templates(docs) if p.role == "head"]
         env = cluster.pod_env(head)
         env["RAY_ADDRESS"] = cluster.address  # what Ray Jobs sets for an entrypoint
@@ -1321,6 +1654,7 @@ def entrypoint_run(builds) -> dict[str, Any]:
     assert len(lines) == 1, detail
     report = json.loads(lines[0][len(RESULT_PREFIX) :])
     report["listening"] = listening
+    report["gcs_wait"] = gcs_wait
     print(
         f"local Ray cluster up in {cluster_seconds:.1f}s; entrypoint {seconds:.1f}s "
         f"(session + iteration {report['seconds']}s): {report['result']}"
@@ -1346,3 +1680,336 @@ def test_the_rayjob_entrypoint_trains_the_example_on_spark_on_ray(entrypoint_run
     assert result["partitions"] == options.executors * options.executor_cores
     assert result["terminated_by"] == "criteria", result
     assert result["max_weight_error"] < 0.05, result
+
+
+# -- the checkpoint key -------------------------------------------------------------------------
+
+CHECKPOINT_KEY_VARS = (
+    "HYBRID_ITER_CHECKPOINT_KEY",
+    "HYBRID_ITER_CHECKPOINT_PREVIOUS_KEY",
+    "HYBRID_ITER_CHECKPOINT_KEY_FILE",
+)
+
+
+def _containers(pod: PodTemplate) -> list[dict[str, Any]]:
+    return pod.spec["containers"] + pod.spec.get("initContainers", [])
+
+
+def test_the_checkpoint_key_comes_from_a_secret_where_the_driver_and_coordinator_run(builds):
+    """k8s/README.md, "Secrets": the driver (a RayJob's entrypoint runs on the head) and the
+    coordinator (placed on the head) get the key from a Secret; the previous key of a
+    rotation is optional; no other container holds either."""
+    for name, docs in builds.items():
+        for pod in pod_templates(docs):
+            for c in _containers(pod):
+                env = {e["name"]: e for e in c.get("env", [])}
+                if pod.role == "head" and c is pod.container:
+                    key = env["HYBRID_ITER_CHECKPOINT_KEY"]["valueFrom"]["secretKeyRef"]
+                    # required: without the Secret the head does not start, rather than
+                    # generating a key in its emptyDir HOME that dies with the pod
+                    assert key == {"name": CHECKPOINT_KEY_SECRET, "key": "key"}, (name, key)
+                    previous = env["HYBRID_ITER_CHECKPOINT_PREVIOUS_KEY"]["valueFrom"]
+                    assert previous["secretKeyRef"] == {
+                        "name": CHECKPOINT_KEY_SECRET,
+                        "key": "previous-key",
+                        "optional": True,
+                    }, name
+                    assert "HYBRID_ITER_CHECKPOINT_KEY_FILE" not in env
+                else:
+                    assert not set(CHECKPOINT_KEY_VARS) & set(env), (name, pod.role, c["name"])
+        rc = one(docs, "RayCluster")["spec"]
+        autoscaler_env = {e["name"] for e in rc.get("autoscalerOptions", {}).get("env", [])}
+        assert not set(CHECKPOINT_KEY_VARS) & autoscaler_env, name
+        # The entrypoint asks for no resources, which could place it on a worker (Ray Jobs
+        # runs it on the head otherwise), where there is no key.
+        job = one(docs, "RayJob")["spec"]
+        entry = {
+            "entrypointNumCpus",
+            "entrypointNumGpus",
+            "entrypointResources",
+            "entrypointMemory",
+        }
+        assert not entry & set(job), (name, entry & set(job))
+
+
+_WRITE_CHECKPOINT = """
+import sys
+import numpy as np
+from coordinator import CheckpointStore, checkpoint_key
+from coordinator._checkpoint import key_id
+CheckpointStore(sys.argv[1]).save(3, {"w": np.arange(4.0)}, [])
+print(key_id(checkpoint_key()))
+"""
+_READ_CHECKPOINT = """
+import json, sys
+from coordinator import CheckpointStore, checkpoint_key
+from coordinator._checkpoint import key_id
+found = CheckpointStore(sys.argv[1]).load_latest()
+print(json.dumps({
+    "key_id": key_id(checkpoint_key()),
+    "epoch": found.epoch,
+    "w": found.data["w"].tolist() if found.epoch >= 0 else None,
+    "skipped": [why for _, why in found.skipped],
+}))
+"""
+
+
+def _in_head_pod(
+    docs: list[dict[str, Any]], secrets_: dict[tuple[str, str], str], home: Path, code: str, *args
+) -> str:
+    """Run ``code`` as a process of a fresh head pod: the head container's environment
+    (its Secrets from ``secrets_``) and an empty HOME (the pod's emptyDir)."""
+    (head,) = [p for p in pod_templates(docs) if p.role == "head"]
+    fields = {"status.podIP": "127.0.0.1", "metadata.namespace": "hybrid-iter"}
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "PYTHONPATH": str(ROOT),
+        **resolve_env(head.container, secrets_=secrets_, fields=fields),
+        "HOME": str(home),
+    }
+    home.mkdir(parents=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_a_replaced_head_pod_reads_the_checkpoints_its_predecessor_wrote(builds, tmp_path):
+    """The head pod writes a checkpoint, is replaced (a new pod: a new emptyDir HOME, the
+    same Secret), and the new head's driver reads it: the key is the Secret's, not one
+    generated in the first pod's HOME."""
+    docs = builds["laptop"]
+    secret = {(CHECKPOINT_KEY_SECRET, "key"): secrets.token_hex(32)}
+    store = str(tmp_path / "checkpoints")  # stands in for the shared store (s3://...)
+    written_by = _in_head_pod(docs, secret, tmp_path / "pod-1", _WRITE_CHECKPOINT, store)
+    read = json.loads(_in_head_pod(docs, secret, tmp_path / "pod-2", _READ_CHECKPOINT, store))
+    assert read["key_id"] == written_by
+    assert read == {"key_id": written_by, "epoch": 3, "w": [0.0, 1.0, 2.0, 3.0], "skipped": []}
+    # Another key (another Secret, or none: a key generated in the pod's HOME) reads
+    # nothing: the check above is what a missing Secret would break.
+    other = {(CHECKPOINT_KEY_SECRET, "key"): secrets.token_hex(32)}
+    foreign = json.loads(_in_head_pod(docs, other, tmp_path / "pod-3", _READ_CHECKPOINT, store))
+    assert foreign["epoch"] == -1 and "another key" in foreign["skipped"][0], foreign
+
+
+# -- the workers' wait for the GCS --------------------------------------------------------------
+
+#: KubeRay's injected wait-gcs-ready init container's fixed limit (common/pod.go).
+KUBERAY_INIT_MEMORY = 256 * MiB
+
+
+def _readme_commands(text: str, start: str) -> list[str]:
+    """The shell commands of k8s/README.md that begin with ``start``, continuations joined."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    return [line.strip() for line in joined.splitlines() if line.strip().startswith(start)]
+
+
+def test_the_workers_wait_for_the_gcs_in_an_init_container_sized_for_it(builds):
+    """k8s/README.md, "The GCS wait": KubeRay's injected wait-gcs-ready (fixed 256Mi, known
+    to be OOM-killed) is disabled at the operator and replaced by one of the same name,
+    sized, in every worker group; every init container's memory request equals its
+    limit (a pod's effective request counts them)."""
+    readme = (K8S / "README.md").read_text()
+    installs = _readme_commands(readme, "helm install kuberay-operator")
+    assert installs, "k8s/README.md installs the operator"
+    for command in installs:
+        words = shlex.split(command)
+        assert "env[0].name=ENABLE_INIT_CONTAINER_INJECTION" in words, command
+        assert words[words.index("--set-string") + 1] == "env[0].value=false", command
+    for name, docs in builds.items():
+        head_port = one(docs, "RayCluster")["spec"]["headGroupSpec"]["rayStartParams"]["port"]
+        for pod in pod_templates(docs):
+            inits = {c["name"]: c for c in pod.spec.get("initContainers", [])}
+            for c in inits.values():
+                res = c["resources"]
+                assert quantity(res["requests"]["memory"]) == quantity(res["limits"]["memory"])
+                assert quantity(res["requests"]["cpu"]) <= quantity(res["limits"]["cpu"])
+            if pod.role != "worker":
+                assert "wait-gcs-ready" not in inits, (name, pod.role)
+                continue
+            wait = inits["wait-gcs-ready"]
+            assert "ray health-check" in " ".join(wait["command"] + wait["args"]), name
+            env = {e["name"]: e for e in wait["env"]}
+            assert env["HEAD_GCS_ADDRESS"]["value"] == f"{CLUSTER}-head-svc:{head_port}"
+            assert env["RAY_AUTH_MODE"]["value"] == "token"
+            limit = quantity(wait["resources"]["limits"]["memory"])
+            assert limit >= 2 * KUBERAY_INIT_MEMORY, (name, limit / MiB)
+            assert wait["image"] == pod.container["image"], name
+
+
+def test_the_gcs_wait_command_succeeds_on_a_real_gcs_well_inside_its_memory_limit(
+    entrypoint_run, builds
+):
+    """The worker's wait-gcs-ready, its command and environment as rendered, run against
+    the laptop build's local cluster: it finds the GCS ready and its peak resident memory
+    (``ray health-check``'s) is under half its limit."""
+    code, output, peak_mib = entrypoint_run["gcs_wait"]
+    assert code == 0, output[-3000:]
+    assert "is ready" in output, output[-3000:]
+    (worker,) = [p for p in pod_templates(builds["laptop"]) if p.role == "worker"]
+    (wait,) = [c for c in worker.spec["initContainers"] if c["name"] == "wait-gcs-ready"]
+    limit_mib = quantity(wait["resources"]["limits"]["memory"]) / MiB
+    print(f"wait-gcs-ready: peak RSS {peak_mib:.0f} MiB, limit {limit_mib:.0f} MiB")
+    assert 0 < peak_mib < limit_mib / 2, (peak_mib, limit_mib)
+
+
+# -- Ray TLS ------------------------------------------------------------------------------------
+
+
+def _ray_processes(docs: list[dict[str, Any]]) -> Iterator[tuple[PodTemplate, dict[str, Any]]]:
+    """Every container of every pod, and the autoscaler KubeRay adds to the head pod (from
+    autoscalerOptions) when autoscaling is on."""
+    rc = one(docs, "RayCluster")["spec"]
+    for pod in pod_templates(docs):
+        for c in _containers(pod):
+            yield pod, c
+        if pod.role == "head" and rc.get("enableInTreeAutoscaling"):
+            yield pod, {"name": "autoscaler", **rc["autoscalerOptions"]}
+
+
+def test_ray_tls_reaches_every_ray_container_and_the_ca_key_only_its_issuer(builds):
+    """k8s/README.md, "Ray TLS": with the component, every Ray container (head, workers,
+    their init containers, the submitter, the autoscaler) has Ray's TLS variables and the
+    pod's certificate volume, read-only; ray-tls-cert, each pod's first init container,
+    issues that certificate and is the only container that mounts the CA's key."""
+    script = (K8S / "components" / "ray-tls" / "gencert.sh").read_text()
+    for name, docs in builds.items():
+        rc = one(docs, "RayCluster")["spec"]
+        assert not rc.get("tlsOptions"), f"{name}: KubeRay's own TLS and the component, both"
+        if not has_tls(name):
+            for _, c in _ray_processes(docs):
+                env = {e["name"] for e in c.get("env", [])}
+                assert not set(RAY_TLS_ENV) & env, (name, c["name"])
+            continue
+        (cm,) = of_kind(docs, "ConfigMap")
+        assert cm["data"] == {"gencert.sh": script}
+        for pod, c in _ray_processes(docs):
+            where = (name, pod.role, c["name"])
+            volumes = {v["name"]: v for v in pod.spec["volumes"]}
+            mounts = {m["name"]: m for m in c.get("volumeMounts", [])}
+            ca = [
+                m
+                for m in mounts
+                if "secret" in volumes[m]
+                and volumes[m]["secret"]["secretName"] == RAY_TLS_CA_SECRET
+            ]
+            certs = volumes["ray-tls"]
+            assert certs["emptyDir"]["medium"] == "Memory", where  # keys never on disk
+            if c["name"] == "ray-tls-cert":
+                assert pod.spec["initContainers"][0] is c, f"{where}: not the first"
+                assert ca and all(mounts[m].get("readOnly") for m in ca), where
+                assert mounts["ray-tls"]["mountPath"] == RAY_TLS_DIR, where
+                assert not mounts["ray-tls"].get("readOnly"), where
+                assert c["image"] == pod.container["image"], where
+                continue
+            assert not ca, f"{where} mounts the CA key"
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            assert {k: env.get(k) for k in RAY_TLS_ENV} == RAY_TLS_ENV, where
+            assert mounts["ray-tls"] == {
+                "name": "ray-tls",
+                "mountPath": RAY_TLS_DIR,
+                "readOnly": True,
+            }, where
+
+
+def _tls_probe(port: int, ca: Path, cert: Path | None = None, key: Path | None = None) -> str:
+    """Open a TLS connection to a gRPC server on 127.0.0.1 as a client that checks the
+    server's certificate against ``ca`` and the address; with ``cert``, present it.
+    Returns "ok" when the server answers the HTTP/2 preface, else the error."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    ctx.set_alpn_protocols(["h2"])
+    if cert is not None:
+        ctx.load_cert_chain(str(cert), str(key))
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+            with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+                tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                return "ok" if tls.recv(9) else "closed"
+    except (ssl.SSLError, OSError) as ex:
+        return f"{type(ex).__name__}: {ex}"
+
+
+_TLS_DRIVER = """
+import ray
+ray.init()
+@ray.remote(num_cpus=1)
+def where():
+    return ray.get_runtime_context().get_node_id()
+head = [n["NodeID"] for n in ray.nodes() if n["Alive"] and "hybrid_iter_head" in n["Resources"]]
+print(ray.get(where.remote()), *head)
+"""
+
+
+def test_ray_tls_certificates_issued_in_each_pod_secure_a_real_ray_cluster(builds):
+    """The laptop build with Ray TLS on this machine: each pod's ray-tls-cert (its command
+    and environment as rendered) issues its certificate from a CA made as the README
+    makes it; the head's and the worker's raylets run with the TLS variables of their
+    containers; the GCS then accepts only TLS clients with a certificate of that CA,
+    the workers' wait-gcs-ready gets through, and a driver runs a task on the worker."""
+    docs = builds["laptop-tls"]
+    ca_dir = Path(tempfile.mkdtemp(prefix="hitlsca-", dir="/tmp"))
+    try:
+        ca = _ray_tls_ca(ca_dir / "ca")
+        cluster = _LocalRayCluster(docs, extra_secrets=ca)
+        try:
+            for role, pod in cluster.pods.items():
+                code, output, _ = run_init_container(pod, "ray-tls-cert", cluster.env)
+                assert code == 0, (role, output)
+                issued = pod.volumes["ray-tls"]
+                assert oct((issued / "tls.key").stat().st_mode & 0o777) == "0o600"
+                verify = subprocess.run(
+                    [
+                        "openssl",
+                        "verify",
+                        "-CAfile",
+                        str(ca_dir / "ca" / "ca.crt"),
+                        str(issued / "tls.crt"),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                assert verify.returncode == 0, verify.stdout + verify.stderr
+                text = subprocess.run(
+                    ["openssl", "x509", "-in", str(issued / "tls.crt"), "-noout", "-text"],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+                assert "IP Address:127.0.0.1" in text and "TLS Web Client Authentication" in text
+                if role == "head":  # the workers dial the GCS by the head Service's name
+                    assert "DNS:hybrid-iter-head-svc.hybrid-iter.svc.cluster.local" in text
+            cluster.start()
+            port = int(cluster.address.rsplit(":", 1)[1])
+            worker = cluster.pods["worker"]
+            certs = worker.volumes["ray-tls"]
+            assert _tls_probe(port, certs / "ca.crt", certs / "tls.crt", certs / "tls.key") == "ok"
+            refused = _tls_probe(port, certs / "ca.crt")  # no client certificate
+            assert refused != "ok", "the GCS accepted a TLS client without a certificate"
+            code, output, _ = run_init_container(
+                worker, "wait-gcs-ready", cluster.env, HEAD_GCS_ADDRESS=cluster.address
+            )
+            assert code == 0 and "is ready" in output, output[-3000:]
+            (template,) = [t for t in pod_templates(docs) if t.role == "worker"]
+            env = {**cluster.pod_env(template), "RAY_ADDRESS": cluster.address}
+            driver = subprocess.run(
+                [sys.executable, "-c", _TLS_DRIVER],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=COMMAND_TIMEOUT,
+                check=False,
+            )
+            assert driver.returncode == 0, driver.stderr[-4000:]
+            task_node, head_node = driver.stdout.split()
+            assert task_node != head_node  # the task ran on the worker (head: 0 CPUs)
+        finally:
+            cluster.stop()
+    finally:
+        shutil.rmtree(ca_dir, ignore_errors=True)
