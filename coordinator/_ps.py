@@ -35,18 +35,28 @@ from typing import Any
 
 import numpy as np
 
+from ._actor import NonFiniteVariables
 from ._errors import IterationConfigError
+from ._finite import first_nonfinite
 from ._variables import INLINE_LIMIT, OncePerVersion
 
 __all__ = [
     "AdamRule",
     "FreeShard",
+    "NonFiniteGradient",
     "ParameterShard",
     "SGDRule",
     "ShardSpec",
     "make_rule",
     "shard_class",
 ]
+
+
+class NonFiniteGradient(NonFiniteVariables, FloatingPointError):
+    """A gradient holding NaN or infinity, refused before any shard applied any of it:
+    by the ``ps.train`` worker that computed it (which names the parameter and index),
+    or by the shard a ``Sparse`` push reached. Not retried (a ``VariablesMismatchError``):
+    the same parameters and data give the same gradient again."""
 
 
 class SGDRule:
@@ -232,6 +242,26 @@ class _ShardCore:
 
     # -- internals ------------------------------------------------------------------------
 
+    def _refuse_nonfinite(self, pid: int, epoch: int, step: int, grad: Any) -> None:
+        """Refuse a sparse push holding NaN/inf whole, before any of it is stored or
+        applied. The worker checked every gradient before sending any slice (so no shard
+        applies part of a bad step); this is defence in depth for producers other than
+        it, and cheap for sparse pushes (a pass over the entries pushed, next to their
+        fancy-indexed update). Dense pushes are not checked again here: that would be a
+        second full pass per push in the one process that applies every worker's update
+        (the bottleneck in async mode), for values the worker has just checked."""
+        if not isinstance(grad, tuple):
+            return
+        keys, vals = grad
+        i = first_nonfinite(vals)
+        if i is not None:
+            spec = self.spec
+            raise NonFiniteGradient(
+                f"parameter shard {spec.shard_id} (keys [{spec.lo}, {spec.hi})) refused the "
+                f"sparse push of partition {pid} at epoch {epoch}, step {step}: the value for "
+                f"key {spec.lo + int(keys[i])} is {vals[i]}; nothing of the push was applied"
+            )
+
     def _current(self) -> tuple[int, np.ndarray | None, Any]:
         ref = self._refs.ref(self.version, self.w, self.w.nbytes)  # one copy per version
         self.stats["puts"] = self._refs.puts
@@ -329,6 +359,7 @@ class ParameterShard(_ShardCore):
         array or ``(indices, values)``); with ``pull_next`` the reply carries the
         parameters of its next step."""
         self.stats["pushes"] += 1
+        self._refuse_nonfinite(pid, epoch, step, grad)
         if not self.spec.sync:
             if grad is not None:
                 self._apply([(grad, 1.0)], 1.0)
@@ -384,6 +415,7 @@ class FreeShard(_ShardCore):
         """Apply ``grad`` (None: no step) on arrival; with ``pull_next`` reply with the
         newest parameters."""
         self.stats["pushes"] += 1
+        self._refuse_nonfinite(pid, epoch, step, grad)
         if grad is not None:
             self._apply([(grad, 1.0)], 1.0)
         if not pull_next:

@@ -44,14 +44,17 @@ def linreg_grad(params, batch):
     return float(r @ r) / (2 * len(y)), {"w": X.T @ r / len(y), "b": r.mean()}
 
 
-def numpy_sync(X, y, *, epochs, batch, update):
+def numpy_sync(X, y, *, epochs, batch, update, stop=None):
     """The sync reference: each step's global batch is every partition's next local batch,
-    the gradient their row-weighted mean, summed in partition order."""
+    the gradient their row-weighted mean, summed in partition order. ``stop=(e, s)``: the
+    parameters before step ``s`` of epoch ``e``."""
     w, b = np.zeros(D), 0.0
     parts = np.array_split(np.arange(N), PARTS)
     steps = max(math.ceil(len(p) / batch) for p in parts)
-    for _ in range(epochs):
+    for e in range(epochs):
         for s in range(steps):
+            if (e, s) == stop:
+                return w, b
             chunks = [p[s * batch : (s + 1) * batch] for p in parts]
             chunks = [c for c in chunks if len(c)]
             total = float(sum(len(c) for c in chunks))
@@ -78,8 +81,9 @@ def test_sync_sgd_equals_the_numpy_loop_and_shards_change_nothing(regression):
     one = ps.train(df, linreg_grad, init, num_shards=1, **kw)
     three = ps.train(df, linreg_grad, init, num_shards=3, **kw)
     w, b = numpy_sync(X, y, epochs=3, batch=60, update=lambda p, g: p - 0.2 * g)
-    np.testing.assert_allclose(one.params["w"], w, rtol=1e-12)
-    assert float(one.params["b"]) == pytest.approx(b, rel=1e-12)
+    # bit for bit: the checks of what reaches the shards change no value of a good run
+    np.testing.assert_array_equal(one.params["w"], w)
+    assert float(one.params["b"]) == b
     assert np.array_equal(one.params["w"], three.params["w"])
     assert one.params["b"] == three.params["b"]
     assert [s["keys"] for s in three.shards] == [[0, 1], [1, 3], [3, 4]]
@@ -358,3 +362,177 @@ def test_an_async_shard_sends_a_version_as_an_array_once_then_shares_one_put():
     assert version == 3 and ref is None
     np.testing.assert_array_equal(values, np.full(n, -3.0))
     assert "cpu_seconds" in shard.info()
+
+
+# -- what reaches the shards is validated ---------------------------------------------------
+
+
+class BadAt:
+    """``linreg_grad`` (plus a zero gradient for an optional matrix "M"), except that the
+    ``call``-th call in partition 1 (counted in its task) puts ``value`` at ``where`` of
+    the gradient of ``key``."""
+
+    def __init__(self, call, value, key="w", where=(2,)):
+        self.call, self.value, self.key, self.where = call, value, key, where
+        self.calls = 0
+
+    def __call__(self, params, batch):
+        loss, g = linreg_grad(params, batch)
+        if "M" in params:
+            g["M"] = np.zeros_like(params["M"])
+        if batch["slow"][0] == 1:
+            self.calls += 1
+            if self.calls == self.call:
+                bad = np.array(g[self.key], dtype=float)
+                bad[self.where] = self.value
+                g[self.key] = bad
+        return loss, g
+
+
+def test_a_nan_gradient_fails_at_its_step_and_the_shards_keep_every_earlier_update(regression):
+    """Partition 1's gradient of epoch 1, step 2 has a NaN in w[2] (shard 2's key range of
+    3): the error names the parameter, index, partition, epoch and step, and the shards
+    hold exactly the 6 steps before it, none of the bad step (no shard applied a slice)."""
+    df, X, y, _ = regression
+    with pytest.raises(ps.TrainFailedError) as info:
+        ps.train(
+            df,
+            BadAt(call=4 + 2 + 1, value=np.nan),  # 4 steps per epoch
+            {"w": np.zeros(D), "b": 0.0},
+            optimizer=ps.SGD(0.2),
+            epochs=3,
+            batch_size=60,
+            num_shards=3,
+            columns=["x", "y", "slow"],
+            parallelism=PARTS,
+        )
+    err = info.value
+    assert isinstance(err, hi.IterationFailedError)
+    assert isinstance(err.failures[1].cause, ps.NonFiniteGradient)
+    assert (
+        "grad_fn returned a gradient with grad['w'][2] (flat index 2 of its 3) is nan; 1 of "
+        "the step's 4 gradient values are NaN/inf in partition 1 at epoch 1, step 2; nothing "
+        "of this step was sent to the parameter server" in str(err)
+    )
+    w, b = numpy_sync(X, y, epochs=3, batch=60, update=lambda p, g: p - 0.2 * g, stop=(1, 2))
+    np.testing.assert_array_equal(err.params["w"], w)
+    assert float(err.params["b"]) == b
+
+
+def test_an_inf_gradient_of_a_matrix_is_named_by_its_index_in_async_mode(regression):
+    df = regression[0]
+    init = {"w": np.zeros(D), "b": 0.0, "M": np.zeros((2, 3))}
+    with pytest.raises(ps.TrainFailedError) as info:
+        ps.train(
+            df,
+            BadAt(call=3, value=-np.inf, key="M", where=(1, 2)),
+            init,
+            optimizer=ps.SGD(0.1),
+            mode="async",
+            epochs=2,
+            batch_size=50,
+            num_shards=2,
+            columns=["x", "y", "slow"],
+            parallelism=PARTS,
+        )
+    assert "grad['M'][1, 2] (flat index 5 of its 6) is -inf" in str(info.value)
+    assert "in partition 1 at epoch 0, step 2" in str(info.value)
+    # M's gradient is zero but for the refused step: no shard applied any of it
+    np.testing.assert_array_equal(info.value.params["M"], np.zeros((2, 3)))
+
+
+def test_a_nan_in_a_sparse_push_is_refused_naming_the_row(regression):
+    df, _, _, ids = regression
+    init = {"emb": np.zeros((60, 2)), "scale": np.ones(1)}
+
+    def fn(params, batch):
+        rows = batch["id"]
+        values = np.ones((len(rows), 2))
+        if batch["slow"][0] == 1:
+            values[0, 1] = np.nan
+        return 0.0, {"emb": ps.Sparse(rows, values)}
+
+    with pytest.raises(ps.TrainFailedError) as info:
+        ps.train(
+            df,
+            fn,
+            init,
+            epochs=1,
+            batch_size=40,
+            num_shards=2,
+            columns=["id", "slow"],
+            parallelism=PARTS,
+        )
+    row = int(ids[N // 2])  # partition 1's first row
+    assert (
+        f"grad['emb'][{row}, 1] (flat index {2 * row + 1} of its 120) is nan (a Sparse entry)"
+        in str(info.value)
+    )
+    assert "in partition 1 at epoch 0, step 0" in str(info.value)
+    assert isinstance(info.value.failures[1].cause, ps.NonFiniteGradient)
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (6, 1), (6,), (3, 2, 1)])
+def test_a_gradient_of_another_shape_but_the_same_size_is_refused(regression, shape):
+    """Reshaped, a (2, 3) or (6, 1) gradient of a (3, 2) parameter would put its values in
+    other places and scramble the update."""
+    df = regression[0]
+
+    def fn(params, batch):
+        return 0.0, {"W": np.ones(shape), "b": 0.0}
+
+    with pytest.raises(
+        hi.IterationFailedError,
+        match=re.escape(
+            f"grad_fn returned grad['W'] of shape {shape} (float64); the parameter init['W'] "
+            f"has shape (3, 2)"
+        ),
+    ):
+        ps.train(
+            df,
+            fn,
+            {"W": np.zeros((3, 2)), "b": 0.0},
+            epochs=1,
+            columns=["x", "y"],
+            parallelism=PARTS,
+        )
+
+
+def test_a_rising_loss_stops_naming_the_optimizer_and_its_learning_rate(regression):
+    df = regression[0]
+    with pytest.raises(ps.TrainFailedError) as info:
+        ps.train(
+            df,
+            linreg_grad,
+            {"w": np.zeros(D), "b": 0.0},
+            optimizer=ps.Adam(1e6),
+            epochs=30,
+            columns=["x", "y"],
+            parallelism=PARTS,
+        )
+    message = str(info.value)
+    assert "the loss is rising" in message and "at epoch 5," in message
+    assert "for 5 epochs in a row" in message
+    assert "Adam(learning_rate=1e+06) overshoots: lower its learning rate" in message
+    assert "learning_rate=100000" in message
+    assert isinstance(info.value.failures["coordinator"].cause, FloatingPointError)
+
+
+def test_a_converging_run_whose_loss_swings_is_not_stopped(regression):
+    """Full-batch momentum rings: its loss climbs far above its best for many epochs in a
+    row (the best alone would stop it) but never back above where it started."""
+    df = regression[0]
+    out = ps.train(
+        df,
+        linreg_grad,
+        {"w": np.zeros(D), "b": 0.0},
+        optimizer=ps.SGD(0.1, momentum=0.9),
+        epochs=30,
+        columns=["x", "y"],
+        parallelism=PARTS,
+    )
+    from hybrid_iter.ml._sgd import DIVERGENCE_PATIENCE, LossWatch
+
+    best_only = LossWatch()
+    assert any(best_only.rising(v, patience=DIVERGENCE_PATIENCE, margin=2.0) for v in out.loss)
+    assert out.result.epochs == 30 and out.loss[-1] < out.loss[0]

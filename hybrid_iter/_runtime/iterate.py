@@ -35,6 +35,7 @@ from coordinator import (
     fingerprint_mismatch,
     normalize_variables,
 )
+from coordinator._finite import check_finite_variables
 from spark_ops import (
     BarrierStage,
     ReplayPlan,
@@ -123,12 +124,7 @@ def _validate(
         variables = normalize_variables(init_variables, what="init_variables")
     except TypeError as ex:
         raise IterationConfigError(str(ex)) from ex
-    for key, value in variables.items():
-        if value.dtype.kind in "fc" and not np.isfinite(value).all():
-            raise IterationConfigError(
-                f"init_variables[{key!r}] has NaN/inf values; start from finite values "
-                f"(e.g. np.zeros)"
-            )
+    check_finite_variables(variables)
     exact: list[int | None] = []
     for i, stream in enumerate(data_streams.streams):
         stream.validate(i)

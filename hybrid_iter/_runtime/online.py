@@ -47,6 +47,7 @@ from coordinator import (
     RuntimeHooks,
     normalize_variables,
 )
+from coordinator._finite import check_finite_variables
 
 from .._body import IterationBody
 from .._config import (
@@ -970,6 +971,7 @@ def iterate_unbounded_streams(
         variables = normalize_variables(init_variables, what="init_variables")
     except TypeError as ex:
         raise IterationConfigError(str(ex)) from ex
+    check_finite_variables(variables)
     df = stream.df
     if stream.numeric_columns:
         stream.validate(0, streaming=True)

@@ -34,10 +34,36 @@ from .._errors import DataValidationError
 from .._operators import CoordinatorOperator, PartitionOperator
 from ._features import FeatureCache, FeaturePlan
 
-__all__ = ["DIVERGENCE_PATIENCE", "linear_gradient", "logistic_terms"]
+__all__ = ["DIVERGENCE_PATIENCE", "LossWatch", "linear_gradient", "logistic_terms"]
 
 #: epochs in a row whose loss is above the best one before the fit is stopped
 DIVERGENCE_PATIENCE = 5
+
+
+class LossWatch:
+    """The rule that stops gradient descent whose loss rises or oscillates, shared by
+    this solver and ``hybrid_iter.ps.train``: a report counts as *worse* when its loss is
+    above ``margin`` times the best loss reported so far (and, with ``above_first``, also
+    above the first report's loss); ``rising`` says when ``patience`` reports in a row
+    were worse. A new best, or any report that is not worse, restarts the count."""
+
+    def __init__(self, *, above_first: bool = False) -> None:
+        self.above_first = above_first
+        self.first = math.nan
+        self.best = math.inf
+        self.worse = 0  # reports in a row that were worse
+
+    def rising(self, loss: float, *, patience: int, margin: float) -> bool:
+        if math.isnan(self.first):
+            self.first = loss
+        if loss < self.best:
+            self.best, self.worse = loss, 0
+        elif loss > self.best * margin + 1e-300 and (not self.above_first or loss > self.first):
+            self.worse += 1
+            return self.worse >= patience
+        else:
+            self.worse = 0
+        return False
 
 
 def logistic_terms(z: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -224,8 +250,7 @@ class _LinearServer(CoordinatorOperator):
         self.recent: dict[int, tuple[float, float]] = {}
         self.t0 = math.inf
         self.loss = math.inf
-        self.best = math.inf
-        self.worse = 0  # reports in a row above the best loss
+        self.watch = LossWatch()
 
     def _penalty(self) -> float:
         if not (self.l1 or self.l2):
@@ -259,19 +284,13 @@ class _LinearServer(CoordinatorOperator):
         noisy = not (ctx.is_sync and self.full_batch)
         patience = DIVERGENCE_PATIENCE * (4 if noisy else 1)
         margin = 2.0 if noisy else 1.0 + 1e-12
-        if loss < self.best:
-            self.best, self.worse = loss, 0
-        elif loss > self.best * margin + 1e-300:
-            self.worse += 1
-            if self.worse >= patience:
-                raise FloatingPointError(
-                    f"gradient descent is not converging: the loss ({loss:.6g}) has stayed "
-                    f"above its best ({self.best:.6g}) for {self.worse} "
-                    f"{'updates' if noisy else 'epochs'} in a row (it rises or oscillates) "
-                    f"at epoch {ctx.epoch}; {fix}"
-                )
-        else:
-            self.worse = 0
+        if self.watch.rising(loss, patience=patience, margin=margin):
+            raise FloatingPointError(
+                f"gradient descent is not converging: the loss ({loss:.6g}) has stayed "
+                f"above its best ({self.watch.best:.6g}) for {self.watch.worse} "
+                f"{'updates' if noisy else 'epochs'} in a row (it rises or oscillates) "
+                f"at epoch {ctx.epoch}; {fix}"
+            )
         self.loss = loss
         out.output("loss", loss)
         out.output("loss_trace", (time.time() - self.t0, loss))

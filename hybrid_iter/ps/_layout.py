@@ -8,11 +8,14 @@ into a flat dense array or sorted, unique ``(indices, values)``.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from coordinator._finite import check_finite, first_nonfinite, index_text
 
 from .._errors import ConfigTypeError, IterationConfigError
 
@@ -71,11 +74,20 @@ class Layout:
                     raise IterationConfigError(
                         f"init's keys must be parameter names (strings), got {n!r}"
                     )
-            arrays = [_numeric(f"init[{n!r}]", init[n]) for n in keys]
+            labels = [f"init[{n!r}]" for n in keys]
+            arrays = [_numeric(label, init[n]) for label, n in zip(labels, keys)]
             names: tuple[str, ...] | None = keys
         else:
-            names = None
+            names, labels = None, ["init"]
             arrays = [_numeric("init", init)]
+        for label, a in zip(labels, arrays):
+            # refused here, before any job: NaN parameters would fail only after the
+            # first epoch, blaming the learning rate
+            check_finite(
+                label,
+                a,
+                fix="start ps.train from finite values (e.g. np.zeros, small random numbers)",
+            )
         dtype = np.result_type(*arrays)
         if dtype.kind != "f":
             dtype = np.dtype(np.float64)
@@ -102,7 +114,7 @@ class Layout:
         """A flat dense gradient, or sorted unique ``(indices, values)`` when every part
         is ``Sparse``."""
         if self.names is None:
-            parts = [(0, self.shapes[0], grad, "grad")]
+            parts = [(0, self.shapes[0], grad, "grad", "init")]
         else:
             if not isinstance(grad, Mapping):
                 raise ConfigTypeError(
@@ -116,14 +128,14 @@ class Layout:
                     f"init has {list(self.names)}"
                 )
             parts = [
-                (o, s, grad[n], f"grad[{n!r}]")
+                (o, s, grad[n], f"grad[{n!r}]", f"init[{n!r}]")
                 for n, o, s in zip(self.names, self.offsets, self.shapes)
                 if n in grad and grad[n] is not None
             ]
         dtype = np.dtype(self.dtype)
-        if all(isinstance(g, Sparse) for _, _, g, _ in parts):
+        if all(isinstance(g, Sparse) for _, _, g, _, _ in parts):
             idx_parts, val_parts = [], []
-            for off, shape, g, what in parts:
+            for off, shape, g, what, _ in parts:
                 idx, vals = _sparse_flat(g, shape, what)
                 idx_parts.append(idx + off)
                 val_parts.append(vals)
@@ -136,7 +148,7 @@ class Layout:
                 vals = np.bincount(inverse, weights=vals, minlength=len(idx)).astype(dtype)
             return idx, vals
         flat = np.zeros(self.size, dtype=dtype) if len(parts) != 1 or self.names else None
-        for off, shape, g, what in parts:
+        for off, shape, g, what, param in parts:
             n = int(np.prod(shape, dtype=np.int64))
             if isinstance(g, Sparse):
                 assert flat is not None
@@ -144,17 +156,51 @@ class Layout:
                 np.add.at(flat, idx + off, vals)
                 continue
             arr = np.asarray(g)
-            if arr.size != n or arr.dtype.kind not in "biuf":
+            # the exact shape, not just the size: a (2, 3) or (6, 1) gradient of a (3, 2)
+            # parameter has its values in other places, and reshaping it scrambles the
+            # update. A 1-D parameter of n values takes shape (n,) only: (n, 1) is most
+            # often a broadcasting slip upstream (y as a column), better named than guessed
+            if arr.shape != shape or arr.dtype.kind not in "biuf":
                 raise ConfigTypeError(
                     f"grad_fn returned {what} of shape {arr.shape} ({arr.dtype}); the "
-                    f"parameter has shape {shape}: return an array of that shape or a "
-                    f"hybrid_iter.ps.Sparse"
+                    f"parameter {param} has shape {shape}: return an array of "
+                    f"exactly that shape and a real number dtype (its values in the "
+                    f"parameter's places, not reshaped) or a hybrid_iter.ps.Sparse"
                 )
             if flat is None:
                 return np.ascontiguousarray(arr.reshape(-1), dtype=dtype)
             flat[off : off + n] = arr.reshape(-1)
         assert flat is not None
         return flat
+
+    def locate(self, key: int, prefix: str) -> str:
+        """Where flat ``key`` is in the user's structure: ``grad['w'][1, 0]`` (flat index 2
+        of the parameter), with ``prefix`` ``"grad"`` or ``"init"``."""
+        k = bisect.bisect_right(self.offsets, key) - 1
+        local, shape = key - self.offsets[k], self.shapes[k]
+        name = prefix if self.names is None else f"{prefix}[{self.names[k]!r}]"
+        flat = (
+            f" (flat index {local} of its {int(np.prod(shape, dtype=np.int64))})" if shape else ""
+        )
+        return f"{name}{index_text(shape, local)}{flat}"
+
+    def nonfinite_grad(self, grad: np.ndarray | tuple[np.ndarray, np.ndarray] | None) -> str | None:
+        """None when every value of a flattened gradient is finite, else where the first
+        NaN/inf is: ``grad['w'][1, 0] (flat index 2 of its 6) is nan``."""
+        if grad is None:
+            return None
+        sparse = isinstance(grad, tuple)
+        keys, vals = grad if isinstance(grad, tuple) else (None, grad)
+        i = first_nonfinite(vals)
+        if i is None:
+            return None
+        key = int(keys[i]) if keys is not None else i
+        count = int(vals.size - np.count_nonzero(np.isfinite(vals)))
+        return (
+            f"{self.locate(key, 'grad')} is {vals[i]}"
+            f"{' (a Sparse entry)' if sparse else ''}; {count} of the step's "
+            f"{vals.size} gradient values are NaN/inf"
+        )
 
 
 def _numeric(what: str, value: Any) -> np.ndarray:

@@ -35,12 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from coordinator._ps import ShardSpec, shard_class
+from coordinator._finite import first_nonfinite
+from coordinator._ps import NonFiniteGradient, ShardSpec, shard_class
 from coordinator._variables import fetch_all
 
 from .._body import IterationBody
 from .._config import IterationConfig
-from .._errors import ConfigTypeError, IterationConfigError
+from .._errors import ConfigTypeError, HybridIterError, IterationConfigError, IterationFailedError
 from .._operators import CoordinatorOperator, PartitionOperator
 from .._result import IterationResult
 from .._runtime.iterate import iterate_bounded_streams_until_termination
@@ -49,10 +50,11 @@ from .._runtime.ray_util import NAMESPACE
 from .._streams import DataStream, ReplayableDataStreamList
 from ..ml._base import check_dataframe, check_int, check_mode, check_progress
 from ..ml._features import VECTOR, ColumnCache, column_kind, resolve_features
+from ..ml._sgd import DIVERGENCE_PATIENCE, LossWatch
 from ._layout import Layout
 from ._optim import SGD, Optimizer
 
-__all__ = ["TrainResult", "launch_shards", "stop_shards", "train"]
+__all__ = ["TrainFailedError", "TrainResult", "launch_shards", "stop_shards", "train"]
 
 #: ``num_shards=None`` gives each shard about this many parameters (at most ``_MAX_AUTO``).
 PARAMS_PER_SHARD = 2_500_000
@@ -82,6 +84,24 @@ class TrainResult:
         if isinstance(compare, TrainResult):
             compare = compare.result
         return self.result.plot(path, compare=compare)
+
+
+class TrainFailedError(IterationFailedError):
+    """``ps.train`` failed (a ``IterationFailedError``: ``failures`` as there).
+
+    ``params``: the parameters the shards held when the training stopped, in ``init``'s
+    structure: every update applied before the failure and nothing of the step that
+    failed (a step is checked whole on its worker before any shard receives a slice of
+    it); None when a shard could not be read (it was lost)."""
+
+    def __init__(
+        self, message: str, failures: Mapping[int | str, BaseException], params: Any
+    ) -> None:
+        super().__init__(message, failures)
+        self.params = params
+
+    def __reduce__(self) -> tuple[type[TrainFailedError], tuple[Any, ...]]:
+        return (TrainFailedError, (self.message, self.failures, self.params))
 
 
 # -- Spark task side --------------------------------------------------------------------
@@ -153,7 +173,12 @@ class _Shards:
             else:
                 part = grad[lo:hi]
             calls.append(h.push_packed.remote((pid, epoch, step, part, rows, last, not last)))
-        replies = ray.get(calls)
+        try:
+            replies = ray.get(calls)
+        except ray.exceptions.RayTaskError as ex:
+            if isinstance(ex.cause, HybridIterError):  # a shard refused the push: say why
+                raise ex.cause from None
+            raise
         return None if last else self._assemble(replies)
 
 
@@ -173,9 +198,11 @@ class _Worker(PartitionOperator):
         batch_size: int | None,
         shuffle: bool,
         seed: int,
+        optimizer: Optimizer,
         sync_shards: bool = True,
     ) -> None:
         self.grad_fn = grad_fn
+        self.optimizer = optimizer
         self.layout = layout
         self.columns = list(columns)
         self.vector_widths = dict(vector_widths)
@@ -210,6 +237,32 @@ class _Worker(PartitionOperator):
             ) from None
         return loss, self.layout.flatten_grad(grad)
 
+    def _check_step(
+        self, loss: float, grad: Any, w: np.ndarray, pid: int, epoch: int, step: int
+    ) -> None:
+        """Refuse a step whose gradient or loss is not finite before any of it is sent:
+        every shard then holds exactly the updates before this step, none of it (a
+        shard's own check would let the shards before it apply their slices)."""
+        bad = self.layout.nonfinite_grad(grad)
+        if bad is None and math.isfinite(loss):
+            return
+        what = f"a gradient with {bad}" if bad else f"a loss of {loss} (its gradient is finite)"
+        i = first_nonfinite(w)
+        cause = (
+            f"the parameters it was computed from already hold "
+            f"{self.layout.locate(i, 'init')} = {w[i]}: an update overflowed; lower the "
+            f"learning rate of {self.optimizer}"
+            if i is not None
+            else f"if the parameters grew too large, lower the learning rate of "
+            f"{self.optimizer}; otherwise look in grad_fn for a division by zero, a log of "
+            f"0 or an overflow (np.seterr(all='raise') in it stops at the first)"
+        )
+        raise NonFiniteGradient(
+            f"grad_fn returned {what} in partition {pid} at epoch {epoch}, step {step}; "
+            f"nothing of this step was sent to the parameter server (it holds every "
+            f"earlier update). {cause[0].upper()}{cause[1:]}"
+        )
+
     def on_epoch_watermark_incremented(self, epoch: int, ctx: Any, out: Any) -> None:
         started = time.time()
         if self.shards is None:
@@ -240,6 +293,7 @@ class _Worker(PartitionOperator):
             else:
                 batch = {k: v[lo:hi] for k, v in arrays.items()}
             loss, grad = self._call(w, batch)
+            self._check_step(loss, grad, w, pid, epoch, s)
             loss_sum += loss * (hi - lo)
             last = s == steps - 1
             nxt = self.shards.push(pid, epoch, s, grad, float(hi - lo), last)
@@ -252,15 +306,39 @@ class _Worker(PartitionOperator):
 
 
 class _Epochs(CoordinatorOperator):
-    """Runs in the Ray coordinator actor: the loss of each epoch and termination."""
+    """Runs in the Ray coordinator actor: the loss of each epoch, termination, and the
+    stop of a run whose loss rises.
 
-    def __init__(self, epochs: int, tol: float | None) -> None:
+    Rising loss: ``ml``'s rule (``LossWatch``) on the epoch losses, in every mode: an
+    epoch is worse when its loss is above twice the best epoch loss so far *and* above
+    the first epoch's loss; ``DIVERGENCE_PATIENCE`` (5) worse epochs in a row stop the
+    run naming the optimizer and its learning rate. Each loss is the mean over every row
+    of the epoch, so mini-batch noise is averaged out, and async/SSP staleness or a
+    momentum/Adam oscillation that still converges comes back under twice its best, or
+    stays under where it started, within 5 epochs (a full-batch SGD(0.1, momentum=0.9)
+    run swings up to 50x above its best for 10 epochs in a row while converging: why the
+    second condition). A run whose loss climbs past where it started and stays there is
+    stopped; one that blows up within its first epoch and then falls is not (its first
+    epoch is the reference), its ``loss`` shows it.
+    """
+
+    def __init__(self, epochs: int, tol: float | None, optimizer: Optimizer) -> None:
         self.epochs = epochs
         self.tol = tol
+        self.optimizer = optimizer
 
     def open(self, init_variables: Any, ctx: Any) -> None:
         self.sums: dict[int, list[float]] = {}
         self.t0 = math.inf
+        self.watch = LossWatch(above_first=True)
+
+    def _fix(self) -> str:
+        opt = self.optimizer
+        lr = float(getattr(opt, "learning_rate", math.nan))
+        return (
+            f"the optimizer {type(opt).__name__}(learning_rate={lr:g}) overshoots: lower its "
+            f"learning rate (e.g. learning_rate={lr / 10:g}), or scale the features"
+        )
 
     def process_feedback(self, value: Any, ctx: Any, out: Any) -> None:
         loss_sum, rows, _steps, started = value
@@ -275,7 +353,14 @@ class _Epochs(CoordinatorOperator):
         if rows:
             if not math.isfinite(loss):
                 raise FloatingPointError(
-                    f"the loss diverged ({loss}) at epoch {epoch}; lower the learning rate"
+                    f"the loss diverged ({loss}) at epoch {epoch}; {self._fix()}"
+                )
+            if self.watch.rising(loss, patience=DIVERGENCE_PATIENCE, margin=2.0):
+                w = self.watch
+                raise FloatingPointError(
+                    f"the loss is rising: {loss:.6g} at epoch {epoch}, above twice its best "
+                    f"({w.best:.6g}) and above the first epoch's ({w.first:.6g}) for "
+                    f"{w.worse} epochs in a row; {self._fix()}"
                 )
             out.output("loss", loss)
             out.output("loss_trace", (time.time() - self.t0, loss))
@@ -365,6 +450,14 @@ def train(
       (``None``: the whole partition, one step per epoch); ``shuffle``: a seeded new
       order every epoch; ``tol``: also stop once an epoch's loss is <= ``tol``.
     * ``num_shards``: shard actors (``None``: one per 2.5 million parameters, at most 4).
+
+    Checked before any job: every argument, and ``init`` finite (a NaN/inf names the
+    parameter and index). Checked on each worker before a step is sent: the gradient has
+    exactly its parameter's shape (no reshaping) and is finite, the loss is finite
+    (``NonFiniteGradient`` names the parameter, index, partition, epoch and step; no shard
+    receives any part of that step). A loss that rises for 5 epochs in a row (see
+    ``_Epochs``) stops the run naming the optimizer's learning rate. A failed training
+    raises ``TrainFailedError`` whose ``params`` are what the shards held when it stopped.
     """
     check_dataframe("ps.train", df, call="ps.train(df, ...)")
     if not callable(grad_fn):
@@ -427,11 +520,12 @@ def train(
             batch_size=batch_size,
             shuffle=shuffle,
             seed=seed,
+            optimizer=optimizer,
             sync_shards=mode == "sync",
         )
         body = IterationBody(
             partition=worker,
-            coordinator=_Epochs(epochs, tol),
+            coordinator=_Epochs(epochs, tol, optimizer),
             criteria=True if tol is not None else None,  # else epochs (max_epochs) ends it
         )
         scalar = [c for c in names if c not in widths and column_kind(_type(df, c)) == "scalar"]
@@ -448,15 +542,38 @@ def train(
         )
         values = ray.get([s.values.remote() for s in shards])
         info = ray.get([s.info.remote() for s in shards])
+    except IterationFailedError as ex:
+        # what the shards applied before the failure is kept, not lost with them
+        failed = TrainFailedError(ex.message, ex.failures, _salvage(layout, shards))
+        raise failed.with_traceback(ex.__traceback__) from ex.__cause__
     finally:
         stop_shards(shards)
+    return TrainResult(_params(layout, values), result, info)
+
+
+def _params(layout: Layout, values: Sequence[np.ndarray]) -> Any:
+    """The shards' values as fresh arrays in ``init``'s structure."""
     final = np.concatenate(values) if len(values) > 1 else np.array(values[0])
     params = layout.unflatten(final)
     if isinstance(params, dict):
-        params = {k: np.array(v) for k, v in params.items()}
-    else:
-        params = np.array(params)
-    return TrainResult(params, result, info)
+        return {k: np.array(v) for k, v in params.items()}
+    return np.array(params)
+
+
+#: seconds to read the shards after a failure (a lost shard must not hang the error)
+_SALVAGE_TIMEOUT = 60.0
+
+
+def _salvage(layout: Layout, shards: Sequence[Any]) -> Any:
+    """The parameters the shards hold now, or None when one cannot be read."""
+    import ray
+
+    try:
+        return _params(
+            layout, ray.get([s.values.remote() for s in shards], timeout=_SALVAGE_TIMEOUT)
+        )
+    except Exception:  # a shard lost with the failure: the error itself says what failed
+        return None
 
 
 def launch_shards(
