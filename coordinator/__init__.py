@@ -6,6 +6,7 @@ Never imports pyspark or hybrid_iter.
 """
 
 from ._actor import (
+    CheckpointInfo,
     CheckpointSpec,
     CoordinatorCollector,
     CoordinatorContext,
@@ -24,9 +25,11 @@ from ._checkpoint import (
     checkpoint_key,
     damaged_since,
     fingerprint_mismatch,
+    previous_checkpoint_key,
 )
 from ._cut import CutError
 from ._errors import (
+    CheckpointEncodeError,
     CheckpointError,
     ConfigTypeError,
     HybridIterError,
@@ -43,7 +46,9 @@ from ._variables import VariablesPayload, VariableSpec, VariablesStore, normaliz
 
 __all__ = [
     "CheckpointCorrupt",
+    "CheckpointEncodeError",
     "CheckpointError",
+    "CheckpointInfo",
     "CheckpointSpec",
     "CheckpointStore",
     "ConfigTypeError",
@@ -82,4 +87,5 @@ __all__ = [
     "damaged_since",
     "fingerprint_mismatch",
     "normalize_variables",
+    "previous_checkpoint_key",
 ]

@@ -14,22 +14,25 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypedDict, cast
 
 import numpy as np
 
 from ._checkpoint import (
     CheckpointStore,
     ForeignCheckpoint,
+    LoadedCheckpoint,
     checkpoint_key,
     damaged_since,
+    dumps_state,
     fingerprint_mismatch,
+    previous_checkpoint_key,
 )
 from ._cut import Cut, CutProtocol
 from ._errors import (
+    CheckpointEncodeError,
     CheckpointError,
     FeedbackShapeMismatch,
-    HybridIterError,
     RemoteFailure,
     VariablesMismatchError,
 )
@@ -40,6 +43,7 @@ from ._tree import CoordinatorTree, TreeSpec
 from ._variables import INLINE_LIMIT, VariablesPayload, VariablesStore
 
 __all__ = [
+    "CheckpointInfo",
     "CheckpointSpec",
     "CoordinatorCollector",
     "CoordinatorContext",
@@ -98,6 +102,8 @@ class CheckpointSpec:
     run_id: str = ""
     #: the HMAC key authenticating the files (resolved on the driver: ``checkpoint_key``)
     key: bytes = field(default_factory=checkpoint_key, repr=False)
+    #: a key still accepted for reading during a key rotation (``previous_checkpoint_key``)
+    previous_key: bytes | None = field(default_factory=previous_checkpoint_key, repr=False)
     #: a restore must find a checkpoint of at least this epoch (the driver saw it
     #: written, or resumes from it); finding less is an error, never a silent restart
     expect_epoch: int | None = None
@@ -306,6 +312,7 @@ class IterationCoordinator:
         self._saved_outputs = 0
         self.checkpoints: list[tuple[int, str, float]] = []  # (epoch, path, seconds)
         self.restored_from: str | None = None
+        self.restored_epoch: int | None = None
         self.skipped_checkpoints: list[tuple[str, str]] = []
         self._reconstructed = _was_reconstructed()
         if spec.attempt is not None and not self._reconstructed:
@@ -314,7 +321,11 @@ class IterationCoordinator:
             ck = spec.checkpoint
             if ck is not None:
                 self._ckpt_store = CheckpointStore(
-                    ck.uri, keep_last=ck.keep_last, key=ck.key, run_id=ck.run_id
+                    ck.uri,
+                    keep_last=ck.keep_last,
+                    key=ck.key,
+                    previous_key=ck.previous_key,
+                    run_id=ck.run_id,
                 )
             if ck is not None and (ck.restore or self._reconstructed) and self._restore():
                 pass  # state, operators and listeners come from the checkpoint
@@ -648,7 +659,9 @@ class IterationCoordinator:
     def result(self) -> ResultData:
         return ResultData(
             variables=dict(self.store.values),
-            outputs=list(self._outputs),
+            # a failed run's outputs are never delivered, and one that failed because an
+            # output cannot be pickled must still deliver the failure
+            outputs=[] if self._failures else list(self._outputs),
             epochs=self.sm.epochs_completed,
             terminated_by=self.sm.terminated,
             alignment_times=list(self._alignment_times),
@@ -860,7 +873,12 @@ class IterationCoordinator:
         import cloudpickle
 
         if hasattr(op, "snapshot_state") and _overrides(op, "snapshot_state"):
-            return "state", cloudpickle.dumps(self._user_call(op, "snapshot_state"))
+            state = self._user_call(op, "snapshot_state")
+            return "state", dumps_state(
+                state,
+                f"the state snapshot_state() of the coordinator operator {type(op).__name__} "
+                f"returned",
+            )
         try:
             return "object", cloudpickle.dumps(op)
         except Exception as ex:
@@ -890,8 +908,6 @@ class IterationCoordinator:
         """What every checkpoint of a coordinator holds (bounded and online): the
         fingerprint, the variables and their version, the coordinator operator's state,
         the listeners, the last loss. ``_restore_common`` reads it back."""
-        import cloudpickle
-
         assert self.spec.checkpoint is not None
         main = self._main.alive()
         return {
@@ -900,7 +916,7 @@ class IterationCoordinator:
             "version": self.store.version,
             "publishes": self.store.publishes,
             "main": self._dump_operator(main) if main is not None else None,
-            "listeners": cloudpickle.dumps(list(self._listeners)),
+            "listeners": dumps_state(list(self._listeners), "the coordinator listeners"),
             "last_loss": self._last_loss,
         }
 
@@ -913,11 +929,12 @@ class IterationCoordinator:
         if mismatch:
             raise ForeignCheckpoint(f"{what} is of another iteration: {mismatch}")
 
-    def _restore_common(self, data: Mapping[str, Any], path: str) -> None:
+    def _restore_common(self, loaded: LoadedCheckpoint) -> None:
         """Take back what ``_checkpoint_common`` wrote (the fingerprint is checked)."""
         import cloudpickle
 
-        self._check_fingerprint(data, f"checkpoint {path}")
+        data = loaded.data
+        self._check_fingerprint(data, f"checkpoint {loaded.path}")
         self.store.restore(data["variables"], data["version"], data["publishes"])
         if data["main"] is not None and self._main.template is not None:
             kind, blob = data["main"]
@@ -930,7 +947,8 @@ class IterationCoordinator:
             self._main.open_all_round()
         self._listeners = cloudpickle.loads(data["listeners"])
         self._last_loss = data["last_loss"]
-        self.restored_from = path
+        self.restored_from = loaded.path
+        self.restored_epoch = loaded.epoch
 
     def _save_checkpoint(self, epoch: int, data: dict[str, Any], started: float) -> None:
         """Write ``data`` with the outputs not yet saved; record the path and seconds."""
@@ -968,7 +986,7 @@ class IterationCoordinator:
                 f"lost ({'; '.join(f'{p}: {w}' for p, w in loaded.skipped) or 'none skipped'})"
             )
         data = loaded.data
-        self._restore_common(data, loaded.path)
+        self._restore_common(loaded)
         self.sm = EpochStateMachine.restore(
             data["sm"],
             staleness=self.spec.staleness,
@@ -985,13 +1003,14 @@ class IterationCoordinator:
         self._checkpointed = loaded.epoch
         return True
 
-    def checkpoint_info(self) -> dict[str, Any]:
-        return {
-            "checkpoints": list(self.checkpoints),
-            "restored_from": self.restored_from,
-            "skipped": list(self.skipped_checkpoints),
-            "reconstructed": self._reconstructed,
-        }
+    def checkpoint_info(self) -> CheckpointInfo:
+        return CheckpointInfo(
+            checkpoints=list(self.checkpoints),
+            restored_from=self.restored_from,
+            restored_epoch=self.restored_epoch,
+            skipped=list(self.skipped_checkpoints),
+            reconstructed=self._reconstructed,
+        )
 
     def _release(self) -> None:
         if self._failures:
@@ -1083,8 +1102,22 @@ class NonFiniteVariables(VariablesMismatchError):
     """``publish_variables`` with NaN or infinite values."""
 
 
-class UnpicklableOperator(HybridIterError, TypeError):
+class UnpicklableOperator(CheckpointEncodeError):
     """An operator without snapshot_state() that cannot be pickled into a checkpoint."""
+
+
+class CheckpointInfo(TypedDict):
+    """What ``checkpoint_info()`` answers (it also lands in ``result.extra["checkpoint"]``)."""
+
+    #: (epoch, path, seconds) of each checkpoint this coordinator wrote
+    checkpoints: list[tuple[int, str, float]]
+    #: the file it restored, and that checkpoint's epoch (None: it restored none)
+    restored_from: str | None
+    restored_epoch: int | None
+    #: (path, why) of the files it skipped as damaged
+    skipped: list[tuple[str, str]]
+    #: Ray restarted this actor after its process died
+    reconstructed: bool
 
 
 class MissingCheckpoint(CheckpointError, RuntimeError):

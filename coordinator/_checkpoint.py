@@ -7,11 +7,23 @@ One checkpoint is one file ``chk-<epoch:010d>.ckpt``; the output records emitted
 the previous checkpoint go to a segment ``out-<epoch:010d>.pkl`` (so a checkpoint's cost
 does not grow with the epochs behind it). Both use one container::
 
-    magic "HICKPT2\\n" | header length (4 bytes, LE) | header (JSON: run id, kind, epoch,
+    magic "HICKPT3\\n" | header length (4 bytes, LE) | header (JSON: run id, kind, epoch,
     key id, array table, python section length)
-    | arrays: numpy ``.npy`` records (numeric dtypes only; read with allow_pickle=False)
-    | python section: a pickle whose numpy arrays are references into the array section
+    | arrays: numpy ``.npy`` records (read with allow_pickle=False)
+    | python section: a (cloud)pickle whose numpy arrays are references into the array
+      section
     | HMAC-SHA256 tag (32 bytes) over everything before it
+
+**What is read back is what was saved**: every array comes back with its shape (0-d
+included), dtype (datetime64/timedelta64 units, byte order, ``S``/``U``/``V`` widths,
+structured layouts) and bits (NaN payloads, -0.0). C- and F-contiguous arrays keep their
+order; a strided view comes back as a contiguous copy, in F order when its strides are F
+order, else in C order (values and logical order unchanged). Arrays whose dtype an
+``.npy`` header cannot describe exactly (object fields, StringDType, dtype metadata) stay
+inside the pickle, which keeps them exactly. A value that does not pickle fails the write
+with ``CheckpointEncodeError`` naming it (a variable, an output's tag and epoch, the state
+of which operator) and the fix. Format 2 files (which restored 0-d arrays as shape (1,)
+and Fortran arrays in C order) are refused with a message saying so.
 
 **Nothing read back executes before it is authenticated** (docs/fault_tolerance.md):
 the tag is checked with the run's key before anything is parsed beyond the JSON header;
@@ -20,7 +32,10 @@ A file that fails the check (tampered, forged, written with another key, truncat
 reported and skipped exactly like a corrupt one. The key comes from the environment
 variable ``HYBRID_ITER_CHECKPOINT_KEY`` (e.g. a Kubernetes Secret) or, when it is not
 set, from a per-user key file generated once (``~/.hybrid_iter/checkpoint.key``, mode
-0600), so a driver that died and is resumed on the same host finds it again.
+0600), so a driver that died and is resumed on the same host finds it again. Files are
+written with that key; ``HYBRID_ITER_CHECKPOINT_PREVIOUS_KEY``, when set, is accepted
+too for reading (key rotation), and a file it sealed is sealed again with the current key
+when it is read.
 
 Files are written to a temporary name and moved into place, so a reader never sees a
 half-written file under a final name (on object stores, where a move is a copy, the tag
@@ -31,27 +46,32 @@ checkpoint was never completed) is ignored and pruned.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import io
 import json
+import math
 import os
 import pickle
 import secrets
 import struct
 import uuid
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import cloudpickle
 import numpy as np
 import pyarrow.fs as pafs
 
-from ._errors import CheckpointError, IterationConfigError
+from ._errors import CheckpointEncodeError, CheckpointError, IterationConfigError
 
 __all__ = [
     "KEY_ENV",
+    "PREVIOUS_KEY_ENV",
     "CheckpointCorrupt",
     "CheckpointStore",
     "ForeignCheckpoint",
@@ -59,17 +79,22 @@ __all__ = [
     "checkpoint_key",
     "damaged_since",
     "delete_name",
+    "describe_value",
+    "dumps_state",
     "fingerprint_mismatch",
     "key_id",
     "list_names",
     "open_filesystem",
+    "previous_checkpoint_key",
     "read_record",
     "write_record",
 ]
 
 KEY_ENV = "HYBRID_ITER_CHECKPOINT_KEY"
+#: a key still accepted for reading while ``KEY_ENV`` holds a new one (rotation)
+PREVIOUS_KEY_ENV = "HYBRID_ITER_CHECKPOINT_PREVIOUS_KEY"
 KEY_FILE_ENV = "HYBRID_ITER_CHECKPOINT_KEY_FILE"
-_MAGIC = b"HICKPT2\n"
+_MAGIC = b"HICKPT3\n"
 _TAG = 32
 
 
@@ -92,6 +117,26 @@ class LoadedCheckpoint:
     run_id: str = ""
 
 
+def _env_key(name: str) -> bytes | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    if len(value) < 16:
+        raise IterationConfigError(
+            f"{name} is too short ({len(value)} characters): use at least 16 random "
+            f"characters, e.g. the output of `python -c 'import secrets; "
+            f"print(secrets.token_hex(32))'`"
+        )
+    return value.encode()
+
+
+def previous_checkpoint_key() -> bytes | None:
+    """``HYBRID_ITER_CHECKPOINT_PREVIOUS_KEY`` when set: during a key rotation, files it
+    sealed are still accepted for reading (and sealed again with the current key when
+    read). Runs on the driver, like ``checkpoint_key``."""
+    return _env_key(PREVIOUS_KEY_ENV)
+
+
 def checkpoint_key() -> bytes:
     """The key that authenticates checkpoints. Runs on the driver (the key travels to
     the coordinator inside its spec).
@@ -101,15 +146,9 @@ def checkpoint_key() -> bytes:
     (``HYBRID_ITER_CHECKPOINT_KEY_FILE`` or ``~/.hybrid_iter/checkpoint.key``), created
     with 32 random bytes and mode 0600 the first time.
     """
-    value = os.environ.get(KEY_ENV)
-    if value:
-        if len(value) < 16:
-            raise IterationConfigError(
-                f"{KEY_ENV} is too short ({len(value)} characters): use at least 16 random "
-                f"characters, e.g. the output of `python -c 'import secrets; "
-                f"print(secrets.token_hex(32))'`"
-            )
-        return value.encode()
+    value = _env_key(KEY_ENV)
+    if value is not None:
+        return value
     path = Path(os.environ.get(KEY_FILE_ENV) or Path.home() / ".hybrid_iter" / "checkpoint.key")
     try:
         return path.read_bytes()
@@ -142,23 +181,83 @@ def open_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
 
 # -- the container --------------------------------------------------------------------------
 
+#: the answers of ``_npy_exact`` for dtypes without fields or metadata (equal dtypes of
+#: those kinds are the same dtype; structured ones that compare equal may differ in
+#: alignment or metadata, so they are not cached)
+_NPY_EXACT: dict[np.dtype[Any], bool] = {}
 
-class _Pickler(pickle.Pickler):
-    """Numeric numpy arrays leave the pickle for the array section."""
 
-    def __init__(self, file: Any, arrays: list[np.ndarray]) -> None:
+def _npy_exact(dtype: np.dtype[Any]) -> bool:
+    """True when an ``.npy`` header gives ``dtype`` back exactly, read with
+    ``allow_pickle=False``: every builtin dtype (bool, ints, floats incl. float16 and
+    longdouble, complex, datetime64/timedelta64 with their units, ``S``/``U``/``V`` of
+    any width, either byte order, structured ones). Others (object fields, numpy's
+    StringDType, dtypes with metadata, field names beyond latin-1) go into the
+    authenticated pickle section, which keeps them exactly too."""
+    plain = dtype.fields is None and dtype.metadata is None
+    if plain and dtype in _NPY_EXACT:
+        return _NPY_EXACT[dtype]
+    exact = False
+    if not dtype.hasobject and dtype.metadata is None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # "saved as python objects": not for us
+                descr = np.lib.format.dtype_to_descr(dtype)
+                repr(descr).encode("latin-1")  # a 2.0 header: field names in latin-1
+                back = np.lib.format.descr_to_dtype(descr)
+            exact = (
+                back == dtype
+                and back.descr == dtype.descr
+                and back.isalignedstruct == dtype.isalignedstruct
+            )
+        except Exception:
+            exact = False
+    if plain:
+        _NPY_EXACT[dtype] = exact
+    return exact
+
+
+def _laid_out(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``arr`` as one block an ``.npy`` record can describe: itself when it is C- or
+    F-contiguous; else (a strided view) a copy in the order of its strides when that is C
+    or F, else in C order. Values and logical order never change."""
+    if arr.flags.c_contiguous or arr.flags.f_contiguous:
+        return arr
+    copy = np.array(arr, order="K")
+    return copy if copy.flags.c_contiguous or copy.flags.f_contiguous else np.array(arr, order="C")
+
+
+def _raw(arr: np.ndarray[Any, Any]) -> Any:
+    """The bytes of a contiguous ``arr`` in its own order, without a copy (a uint8 view:
+    ``memoryview.cast`` refuses datetime64 and structured dtypes)."""
+    if arr.nbytes == 0:
+        return b""
+    block = arr if arr.flags.c_contiguous else arr.T  # an F array's transpose is C
+    return block.reshape(-1).view(np.uint8).data
+
+
+class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is untyped
+    """Arrays whose dtype an ``.npy`` header describes exactly leave the pickle for the
+    array section (each array object once: two references come back as one array).
+    cloudpickle, so values of classes shipped by value (a notebook's) can be held too."""
+
+    def __init__(self, file: Any, arrays: list[np.ndarray[Any, Any]]) -> None:
         super().__init__(file, protocol=5)
         self.arrays = arrays
+        self._index: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
-        if type(obj) is np.ndarray and not obj.dtype.hasobject:
-            self.arrays.append(obj)
-            return len(self.arrays) - 1
+        if type(obj) is np.ndarray and _npy_exact(obj.dtype):
+            i = self._index.get(id(obj))
+            if i is None:
+                i = self._index[id(obj)] = len(self.arrays)
+                self.arrays.append(obj)
+            return i
         return None
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: Any, arrays: list[np.ndarray]) -> None:
+    def __init__(self, file: Any, arrays: list[np.ndarray[Any, Any]]) -> None:
         super().__init__(file)
         self.arrays = arrays
 
@@ -166,20 +265,118 @@ class _Unpickler(pickle.Unpickler):
         return self.arrays[pid]
 
 
+def _pickles(obj: Any) -> bool:
+    try:
+        _Pickler(io.BytesIO(), []).dump(obj)
+    except Exception:
+        return False
+    return True
+
+
+def _children(obj: Any) -> list[tuple[str, Any, Any]]:
+    """``(how, key, child)`` of a container or object (how: "key", "index" or "attr")."""
+    if isinstance(obj, Mapping):
+        return [("key", k, v) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return [("index", i, v) for i, v in enumerate(obj)]
+    if isinstance(obj, (set, frozenset)):
+        return [("index", i, v) for i, v in enumerate(obj)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [("attr", f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    if isinstance(getattr(obj, "__dict__", None), dict):
+        return [("attr", k, v) for k, v in vars(obj).items()]
+    return []
+
+
+def _locate(obj: Any, depth: int = 0) -> list[tuple[str, Any, Any]]:
+    """The path to the innermost part of ``obj`` that does not pickle (run only after a
+    failure: it pickles the children again)."""
+    if depth > 32:
+        return []
+    for how, key, child in _children(obj):
+        if not _pickles(child):
+            return [(how, key, child), *_locate(child, depth + 1)]
+    return []
+
+
+def _is_output_record(obj: Any) -> bool:
+    return type(obj).__name__ == "OutputRecord" and hasattr(obj, "tag")
+
+
+def describe_value(root: Any, path: list[tuple[str, Any, Any]], top: str) -> str:
+    """A name for the value at ``path`` inside ``root`` a user recognises: a variable,
+    an output (tag, epoch, emitter), else ``top`` and the path as an expression."""
+    name, expr = top, ""
+    for i, (how, key, child) in enumerate(path):
+        if i == 1 and path[0][:2] == ("key", "variables"):
+            name, expr = f"variable {key!r}", ""
+            continue
+        if _is_output_record(child):
+            source = child.source
+            who = f"partition {source}" if isinstance(source, int) else f"the {source}"
+            name, expr = (
+                f"output {child.tag!r} of epoch {child.epoch} (out.output from {who})",
+                "",
+            )
+            continue
+        if _is_output_record(path[i - 1][2] if i else None) and key == "value":
+            continue
+        expr += f".{key}" if how == "attr" else f"[{key!r}]"
+    leaf = path[-1][2] if path else root
+    where = f" at {expr}" if expr else ""
+    return f"{name}{where} (a {type(leaf).__module__}.{type(leaf).__qualname__})"
+
+
+def _unencodable(obj: Any, ex: BaseException, top: str, fix: str) -> CheckpointEncodeError:
+    what = describe_value(obj, _locate(obj), top)
+    return CheckpointEncodeError(
+        f"{what} cannot be written to a checkpoint: {type(ex).__name__}: {ex}. {fix}"
+    )
+
+
+#: the advice of an unencodable output or checkpoint value
+_VALUE_FIX = (
+    "A checkpoint holds what pickles: numbers, strings, numpy arrays of any dtype, and "
+    "containers and objects of them; emit that instead (drop or convert the part named, e.g. "
+    "a lock, an open file, a client or a generator)"
+)
+
+
+def dumps_state(value: Any, owner: str) -> bytes:
+    """``value`` (an operator's ``snapshot_state()``, or its pickled object) as bytes for a
+    checkpoint; a value that cannot be pickled raises ``CheckpointEncodeError`` naming
+    ``owner`` (e.g. "the state of the coordinator operator Step") and the part."""
+    try:
+        return bytes(cloudpickle.dumps(value, protocol=5))
+    except Exception as ex:
+        raise _unencodable(
+            value,
+            ex,
+            owner,
+            "Return from snapshot_state() only data that pickles (numbers, arrays, "
+            "containers of them), and rebuild the rest (locks, clients, open files) in "
+            "restore_state()",
+        ) from ex
+
+
 def _encode(obj: Any, *, key: bytes, run_id: str, kind: str, epoch: int) -> list[Any]:
     """The pieces of a file (written one after another, never joined: big arrays are
-    not copied)."""
-    arrays: list[np.ndarray] = []
+    not copied). A value that cannot be pickled raises ``CheckpointEncodeError``."""
+    arrays: list[np.ndarray[Any, Any]] = []
     buf = io.BytesIO()
-    _Pickler(buf, arrays).dump(obj)
+    try:
+        _Pickler(buf, arrays).dump(obj)
+    except Exception as ex:
+        top = {"outputs": "the output records"}.get(kind, f"the {kind}")
+        raise _unencodable(obj, ex, top, _VALUE_FIX) from ex
     python = buf.getbuffer()
     table, blobs = [], []
     for arr in arrays:
-        arr = np.ascontiguousarray(arr)
+        arr = _laid_out(arr)
         head = io.BytesIO()
         np.lib.format.write_array_header_2_0(head, np.lib.format.header_data_from_array_1_0(arr))
         blobs.append(head.getvalue())
-        blobs.append(arr.data.cast("B") if arr.nbytes else b"")
+        blobs.append(_raw(arr))
         table.append(len(blobs[-2]) + arr.nbytes)
     header = json.dumps(
         {
@@ -192,15 +389,29 @@ def _encode(obj: Any, *, key: bytes, run_id: str, kind: str, epoch: int) -> list
         }
     ).encode()
     pieces: list[Any] = [_MAGIC, struct.pack("<I", len(header)), header, *blobs, python]
+    pieces.append(_tag(key, pieces))
+    return pieces
+
+
+def _tag(key: bytes, pieces: list[Any]) -> bytes:
     mac = hmac.new(key, digestmod=hashlib.sha256)
     for p in pieces:
         mac.update(p)
-    pieces.append(mac.digest())
-    return pieces
+    return mac.digest()
 
 
 def _header(blob: bytes, path: str) -> tuple[dict[str, Any], int]:
     """The JSON header (not yet authenticated) and where the body starts."""
+    if blob[: len(_MAGIC) - 2] == _MAGIC[:-2] and blob[len(_MAGIC) - 1 : len(_MAGIC)] == b"\n":
+        version = blob[len(_MAGIC) - 2 : len(_MAGIC) - 1].decode("ascii", "replace")
+        if version != _MAGIC[-2:-1].decode():
+            raise CheckpointCorrupt(
+                f"{path}: bad header: container format {version} of another hybrid_iter "
+                f"version (this one reads format {_MAGIC[-2:-1].decode()}), not loaded. Format "
+                f"2 restored 0-d arrays with shape (1,) and Fortran-ordered arrays in C order, "
+                f"so its files are not read: resume it with the hybrid_iter version that "
+                f"wrote it, or start a new run in an empty directory"
+            )
     if len(blob) < len(_MAGIC) + 4 + _TAG or not blob.startswith(_MAGIC):
         raise CheckpointCorrupt(f"{path}: not a hybrid_iter checkpoint file (bad header)")
     (length,) = struct.unpack("<I", blob[len(_MAGIC) : len(_MAGIC) + 4])
@@ -220,39 +431,100 @@ def _header(blob: bytes, path: str) -> tuple[dict[str, Any], int]:
     return header, start + length
 
 
-def _decode(blob: bytes, path: str, key: bytes) -> tuple[dict[str, Any], Any]:
-    """Authenticate, then read: ``(header, object)``. Raises CheckpointCorrupt."""
-    header, pos = _header(blob, path)
+def _authenticate(blob: bytes, path: str, header: dict[str, Any], keys: tuple[bytes, ...]) -> int:
+    """Which of ``keys`` (the current one first) sealed ``blob``; CheckpointCorrupt when
+    none did. The header's key id only orders the tries: the tag decides."""
     view = memoryview(blob)
-    tag = hmac.new(key, view[:-_TAG], hashlib.sha256).digest()
-    if not hmac.compare_digest(tag, bytes(view[-_TAG:])):
-        theirs = header.get("key_id")
+    theirs = header.get("key_id")
+    order = sorted(range(len(keys)), key=lambda i: key_id(keys[i]) != theirs)
+    for i in order:
+        tag = hmac.new(keys[i], view[:-_TAG], hashlib.sha256).digest()
+        if hmac.compare_digest(tag, bytes(view[-_TAG:])):
+            return i
+    ours = [key_id(k) for k in keys]
+    if theirs in ours:
+        why = "it was modified after it was written (tampered or corrupt)"
+    else:
+        accepted = ours[0] + (f", previous key {ours[1]}" if len(ours) > 1 else "")
         why = (
-            f"written with another key (key id {theirs}, this process has {key_id(key)}): set "
-            f"{KEY_ENV} to the key of the run that wrote it"
-            if theirs != key_id(key)
-            else "it was modified after it was written (tampered or corrupt)"
+            f"written with another key (key id {theirs}, this process accepts {accepted}): "
+            f"set {KEY_ENV} to the key of the run that wrote it, or, when rotating keys, "
+            f"set {PREVIOUS_KEY_ENV} to it"
         )
-        raise CheckpointCorrupt(f"{path}: authentication failed, not loaded: {why}")
+    raise CheckpointCorrupt(f"{path}: authentication failed, not loaded: {why}")
+
+
+def _read_array(view: memoryview, pos: int, n: int, path: str) -> np.ndarray[Any, Any]:
+    """One ``.npy`` record of ``n`` bytes at ``pos`` (authenticated already), copied
+    out in its own order (C or F)."""
+    head = io.BytesIO(bytes(view[pos : pos + min(n, 12)]))
+    try:
+        major, _ = np.lib.format.read_magic(head)
+        (length,) = struct.unpack("<I", bytes(view[pos + 8 : pos + 12]))
+        if major != 2:
+            raise ValueError(f".npy version {major}")
+        head = io.BytesIO(bytes(view[pos + 8 : pos + 12 + length]))
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(
+            head, max_header_size=length + 1
+        )
+    except ValueError as ex:
+        raise CheckpointCorrupt(f"{path}: unreadable array record ({ex})") from None
+    data, count = pos + 12 + length, math.prod(shape)
+    if data + count * dtype.itemsize != pos + n:
+        raise CheckpointCorrupt(f"{path}: an array record's size does not match its header")
+    order: Literal["C", "F"] = "F" if fortran else "C"
+    if count == 0 or dtype.itemsize == 0:
+        return np.zeros(shape, dtype=dtype, order=order)
+    flat = np.frombuffer(view, dtype=dtype, count=count, offset=data)
+    block = flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
+    return block.copy(order=order)
+
+
+def _decode(blob: bytes, path: str, keys: tuple[bytes, ...]) -> tuple[dict[str, Any], Any, int]:
+    """Authenticate, then read: ``(header, object, index of the key that sealed it)``.
+    Raises CheckpointCorrupt."""
+    header, pos = _header(blob, path)
+    used = _authenticate(blob, path, header, keys)
     # authenticated: from here on the content is ours
+    view = memoryview(blob)
     arrays = []
     for n in header["arrays"]:
-        arrays.append(np.lib.format.read_array(io.BytesIO(view[pos : pos + n]), allow_pickle=False))
+        arrays.append(_read_array(view, pos, n, path))
         pos += n
     obj = _Unpickler(io.BytesIO(view[pos : pos + header["python"]]), arrays).load()
-    return header, obj
+    return header, obj, used
+
+
+def _resealed(blob: bytes, header: dict[str, Any], key: bytes) -> list[Any]:
+    """The pieces of ``blob`` sealed with ``key`` instead (the body is unchanged)."""
+    _, pos = _header(blob, "")
+    new = json.dumps({**header, "key_id": key_id(key)}).encode()
+    view = memoryview(blob)
+    pieces: list[Any] = [_MAGIC, struct.pack("<I", len(new)), new, view[pos:-_TAG]]
+    pieces.append(_tag(key, pieces))
+    return pieces
 
 
 class CheckpointStore:
     """Checkpoints of one run in one directory (any ``pyarrow.fs`` URI or path)."""
 
     def __init__(
-        self, uri: str, *, keep_last: int = 2, key: bytes | None = None, run_id: str = ""
+        self,
+        uri: str,
+        *,
+        keep_last: int = 2,
+        key: bytes | None = None,
+        previous_key: bytes | None = None,
+        run_id: str = "",
     ) -> None:
         self.fs, self.dir = open_filesystem(uri)
         self.uri = uri
         self.keep_last = keep_last
         self.key = key if key else checkpoint_key()
+        #: the keys a file may be sealed with: the current one, then the previous one
+        self.read_keys = (self.key,) + (
+            (previous_key,) if previous_key and previous_key != self.key else ()
+        )
         self.run_id = run_id
         #: output segments skipped by ``outputs_until``, with why
         self.skipped_outputs: list[tuple[str, str]] = []
@@ -312,7 +584,15 @@ class CheckpointStore:
         path = f"{self.dir}/{name}"
         with self.fs.open_input_stream(path) as f:
             blob = f.read()
-        return _decode(blob, path, self.key)
+        header, obj, used = _decode(blob, path, self.read_keys)
+        if used:
+            # sealed with the previous key: seal it with the current one, so once every
+            # file was read or replaced the previous key can go
+            try:
+                self._write_atomic(name, _resealed(blob, header, self.key))
+            except OSError:
+                pass  # a read-only copy: it stays readable with the previous key
+        return header, obj
 
     def peek_run_id(self) -> str | None:
         """The run id in the newest checkpoint's header (unauthenticated: a hint for

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "CheckpointEncodeError",
     "CheckpointError",
     "ConfigTypeError",
     "FeedbackShapeMismatch",
@@ -40,6 +41,13 @@ class UsageError(HybridIterError, RuntimeError):
 
 class CheckpointError(HybridIterError):
     """A checkpoint cannot be written, found, read or trusted."""
+
+
+class CheckpointEncodeError(CheckpointError, TypeError):
+    """A value a checkpoint must hold cannot be encoded (it does not pickle: a lock, an
+    open file, a generator, ...). The message names the value (a variable, an output's
+    tag and epoch, the state of which operator) and the fix. A relaunch would meet the
+    same value, so it is not retried."""
 
 
 class VariablesMismatchError(HybridIterError, ValueError):

@@ -316,7 +316,7 @@ class OnlineCoordinator(IterationCoordinator):
         data = loaded.data
         if not data.get("online"):
             raise ForeignCheckpoint(f"checkpoint {loaded.path} is of another iteration: not online")
-        self._restore_common(data, loaded.path)
+        self._restore_common(loaded)
         self.committed, self.round = data["committed"], data["round"]
         self.batches, self.total_rows, self.dead_letters = (
             data["batches"],

@@ -29,6 +29,7 @@ from ._body import (
 from ._bulk_delta import BulkStep, DeltaStep, iterate_bulk, iterate_delta
 from ._config import CheckpointConfig, IterationConfig, OperatorLifecycle
 from ._errors import (
+    CheckpointEncodeError,
     CheckpointError,
     ConfigTypeError,
     DataValidationError,
@@ -63,6 +64,7 @@ __all__ = [
     "EPOCH_MAX",
     "BulkStep",
     "CheckpointConfig",
+    "CheckpointEncodeError",
     "CheckpointError",
     "ConfigTypeError",
     "CoordinatorCollector",

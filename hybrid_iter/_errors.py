@@ -28,13 +28,18 @@
     │   └── FeedbackShapeMismatch            feeding back arrays of different shapes
     │                                        (these arrive as the cause inside
     │                                        IterationFailedError)
-    ├── CheckpointError                      a checkpoint cannot be found, read, trusted
-    │   ├── CheckpointCorrupt (ValueError)   failed authentication, truncated
+    ├── CheckpointError                      a checkpoint cannot be written, found, read,
+    │   │                                    trusted
+    │   ├── CheckpointEncodeError            a value a checkpoint must hold does not
+    │   │   │ (TypeError)                    pickle; names it (variable, output tag and
+    │   │   │                                epoch, which operator's state); not retried
+    │   │   └── UnpicklableOperator          an operator a checkpoint cannot pickle
+    │   ├── CheckpointCorrupt (ValueError)   failed authentication, truncated, an older
+    │   │                                    container format
     │   ├── ForeignCheckpoint (ValueError)   of another run or another iteration
-    │   ├── MissingCheckpoint (RuntimeError) a restore found less than it must
+    │   ├── MissingCheckpoint (RuntimeError) a restore found less than was written
     │   └── OnlineCheckpointError            an online restart cannot restore every
     │       (RuntimeError)                   batch Spark committed
-    ├── UnpicklableOperator (TypeError)      an operator a checkpoint cannot pickle
     ├── CutError (RuntimeError)              the coordinator's cut protocol saw an event
     │                                        it does not allow (a bug, not user input)
     └── RemoteFailure                        one failure of user code, with where, epoch
@@ -61,6 +66,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from coordinator import (
+    CheckpointEncodeError,
     CheckpointError,
     ConfigTypeError,
     HybridIterError,
@@ -72,6 +78,7 @@ from coordinator import (
 from spark_ops import SparkOpsError
 
 __all__ = [
+    "CheckpointEncodeError",
     "CheckpointError",
     "ConfigTypeError",
     "DataValidationError",

@@ -22,7 +22,7 @@ from coordinator import (
     ForeignCheckpoint,
     IterationCoordinator,
 )
-from coordinator._checkpoint import KEY_ENV, checkpoint_key, damaged_since, key_id
+from coordinator._checkpoint import _MAGIC, KEY_ENV, checkpoint_key, damaged_since, key_id
 from hybrid_iter._runtime.iterate import node_local_refusal
 
 KEY = b"k" * 32
@@ -54,7 +54,7 @@ def _forge(path: Path, marker: Path, *, key: bytes = b"attacker" * 4, run_id: st
             "python": len(python),
         }
     ).encode()
-    body = b"HICKPT2\n" + struct.pack("<I", len(header)) + header + python
+    body = _MAGIC + struct.pack("<I", len(header)) + header + python
     path.write_bytes(body + hmac.new(key, body, hashlib.sha256).digest())
 
 

@@ -319,7 +319,7 @@ def test_a_sync_run_with_faults_anywhere_equals_the_fault_free_run(
         if info["restored_from"]:
             # after restore_state: exactly the fault-free callbacks after the same cut
             restored_life = _after(last[pid], "restored")
-            epoch = int(info["restored_from"][-15:-5])
+            epoch = info["restored_epoch"]
             snaps = [i for i, e in enumerate(clean_logs[pid]) if e[0] == "snapshot"]
             cut_index = snaps[epoch // 3 - 1]
             assert restored_life == clean_logs[pid][cut_index + 1 :]

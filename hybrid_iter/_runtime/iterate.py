@@ -13,6 +13,7 @@ import inspect
 import itertools
 import logging
 import pickle
+import re
 import threading
 import time
 import uuid
@@ -22,6 +23,8 @@ from typing import Any
 import numpy as np
 
 from coordinator import (
+    CheckpointEncodeError,
+    CheckpointInfo,
     CheckpointSpec,
     CheckpointStore,
     CoordinatorSpec,
@@ -34,6 +37,7 @@ from coordinator import (
     damaged_since,
     fingerprint_mismatch,
     normalize_variables,
+    previous_checkpoint_key,
 )
 from coordinator._finite import check_finite_variables
 from spark_ops import (
@@ -53,6 +57,7 @@ from .._errors import (
     IterationFailedError,
     SessionError,
     StoredArraysLost,
+    UsageError,
     VariablesMismatchError,
 )
 from .._result import IterationResult
@@ -347,6 +352,8 @@ def iterate_bounded_streams_until_termination(
     restore = config.resume_from is not None
     # the newest checkpoint known to exist: a restore that finds less fails loudly
     expect = checkpoint.expect_epoch if checkpoint is not None else None
+    # the failures of user code met so far: one met again is not retried again
+    seen: dict[tuple[Any, ...], int] = {}
     try:
         while True:
             if actor is None:
@@ -401,6 +408,7 @@ def iterate_bounded_streams_until_termination(
                     expect = max(expect or 0, monitor.checkpointed)
                 if attempt >= config.restarts or not _retryable(ex):
                     raise
+                _refuse_repeated(ex, attempt, seen)
                 extra["attempts"].append(
                     f"attempt {attempt}: {type(ex).__name__}: {ex}".splitlines()[0]
                 )
@@ -478,32 +486,42 @@ def _restarted_by_ray(actor: Any) -> bool:
 
 def _check_restored(actor: Any, expect: int | None, checkpoint: CheckpointSpec | None) -> None:
     """A coordinator Ray restarted must have reloaded the newest checkpoint the driver
-    saw written; anything older means its node cannot see the files."""
+    saw written; anything older means its node cannot see the files (MissingCheckpoint,
+    as when the coordinator finds it out itself)."""
     if expect is None or checkpoint is None:
         return
-    info = _call(actor, "checkpoint_info")
-    path = info.get("restored_from") or ""
-    got = int(path[-15:-5]) if path.endswith(".ckpt") else -1
-    if got < expect and not damaged_since(info.get("skipped", []), expect):
-        raise IterationFailedError(
+    info: CheckpointInfo = _call(actor, "checkpoint_info")
+    got = info["restored_epoch"]
+    if (got is None or got < expect) and not damaged_since(info["skipped"], expect):
+        message = (
             f"the coordinator was restarted by Ray but found "
-            f"{'checkpoint ' + str(got) if got >= 0 else 'no checkpoint'} in "
+            f"{'checkpoint ' + str(got) if got is not None else 'no checkpoint'} in "
             f"{checkpoint.uri!r} although checkpoint {expect} was written: the checkpoint path "
             f"is not visible on the node it was restarted on; use storage every node shares "
             f"(s3://, gs://, hdfs://, or a shared mount with "
-            f"CheckpointConfig(shared_filesystem=True))",
-            {},
+            f"CheckpointConfig(shared_filesystem=True))"
         )
+        failure = RemoteFailure(
+            "coordinator",
+            None,
+            "restoring a checkpoint",
+            "MissingCheckpoint",
+            message,
+            "",
+            MissingCheckpoint(message),
+        )
+        raise IterationFailedError(message, {"coordinator": failure})
 
 
-#: failures that a relaunch would meet again
+#: failures that a relaunch would meet again (by the type of their cause)
 _FATAL = (
     VariablesMismatchError,
     IterationConfigError,
     StoredArraysLost,  # a relaunch would miss the same arrays: the fit reads from Spark
     ForeignCheckpoint,
-    MissingCheckpoint,
-    UnpicklableOperator,
+    MissingCheckpoint,  # the restore found less than was written: the path is not shared
+    CheckpointEncodeError,  # the same value would be met at the same checkpoint
+    UsageError,  # an API called where it cannot be: the same call is made again
 )
 
 
@@ -512,12 +530,40 @@ def _retryable(ex: BaseException) -> bool:
     if isinstance(ex, (IterationConfigError, DataValidationError, KeyboardInterrupt, SystemExit)):
         return False
     if isinstance(ex, IterationFailedError):
-        if "was restarted by Ray but found" in ex.message:
-            return False
         if any(getattr(f, "type_name", "") == "CallTimeout" for f in ex.failures.values()):
             return False  # a callback that blocks would block again
         return not any(isinstance(getattr(f, "cause", None), _FATAL) for f in ex.failures.values())
     return True
+
+
+def _failure_key(ex: BaseException) -> tuple[Any, ...] | None:
+    """What identifies a failure of user code across attempts: where (partition or
+    coordinator, callback, epoch) and what (exception type and message, object addresses
+    blanked). None for failures that name no user code (a lost process, a Spark error)."""
+    failures = getattr(ex, "failures", None) if isinstance(ex, IterationFailedError) else None
+    for f in (failures or {}).values():
+        if isinstance(f, RemoteFailure):
+            message = re.sub(r"0x[0-9a-fA-F]+", "0x?", f.message)
+            return (f.source, f.epoch, f.where, f.type_name, message)
+    return None
+
+
+def _refuse_repeated(ex: BaseException, attempt: int, seen: dict[tuple[Any, ...], int]) -> None:
+    """A failure of user code is relaunched once; the same failure (the same exception
+    type and message, in the same callback of the same operator at the same epoch) met
+    again is a deterministic bug, and further relaunches are not spent on it."""
+    key = _failure_key(ex)
+    if key is None:
+        return
+    if key in seen:
+        assert isinstance(ex, IterationFailedError)
+        raise IterationFailedError(
+            f"{ex.message} (the same failure as attempt {seen[key]}: a relaunch met it "
+            f"again, so it is deterministic and not retried again; fix the code or data it "
+            f"names)",
+            ex.failures,
+        ) from ex
+    seen[key] = attempt
 
 
 def _fingerprint(
@@ -647,10 +693,12 @@ def _checkpoint_spec(
         )
     fingerprint = _fingerprint(body, streams, variables, n, config)
     try:
-        key = checkpoint_key()
+        key, previous_key = checkpoint_key(), previous_checkpoint_key()
     except ValueError as ex:
         raise IterationConfigError(str(ex)) from None
-    store = CheckpointStore(uri, keep_last=ck.keep_last if ck else 2, key=key)
+    store = CheckpointStore(
+        uri, keep_last=ck.keep_last if ck else 2, key=key, previous_key=previous_key
+    )
     run_id, expect = uuid.uuid4().hex[:16], None
     if config.resume_from is None:
         if store.holds_files():
@@ -685,6 +733,7 @@ def _checkpoint_spec(
         fingerprint=fingerprint,
         run_id=run_id,
         key=key,
+        previous_key=previous_key,
         expect_epoch=expect,
     )
 

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from coordinator import Emissions, RemoteFailure, RuntimeHooks, VariablesPayload
+from coordinator._checkpoint import dumps_state
 from coordinator._tree import TreeSpec, precombine
 from coordinator._variables import fetch_all
 
@@ -496,7 +497,13 @@ class _Subtask(_TaskSteps):
         import cloudpickle
 
         if _defines(op, "snapshot_state"):
-            return "state", cloudpickle.dumps(self.call(op, "snapshot_state"))
+            state = self.call(op, "snapshot_state")
+            self.step("pickling the state of the partition operator for a checkpoint")
+            return "state", dumps_state(
+                state,
+                f"the state snapshot_state() of the partition operator {type(op).__name__} "
+                f"(partition {self.pid}) returned",
+            )
         self.step(f"pickling the partition operator {type(op).__name__} for a checkpoint")
         try:
             return "object", cloudpickle.dumps(op)
