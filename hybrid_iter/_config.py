@@ -55,9 +55,10 @@ class CheckpointConfig:
 
     Every ``every_epochs`` global alignments the coordinator writes a consistent cut
     (variables, epoch, its state machine, the coordinator operator, every partition
-    operator's ``snapshot_state()``) to ``path`` (a local path or any ``pyarrow.fs`` URI),
-    atomically and authenticated (docs/fault_tolerance.md), keeping the newest
-    ``keep_last``. On a multi-node Ray cluster a local path or ``file://`` URI is refused
+    operator's ``snapshot_state()``) to ``path`` (a local path, made absolute here, or a
+    storage URI in Spark's spellings: ``s3a://``, ``gs://``, ``abfss://``, ``hdfs://``,
+    ``file:``), atomically and authenticated (docs/fault_tolerance.md), keeping the newest
+    ``keep_last``. On a multi-node Ray cluster a local path or ``file:`` URI is refused
     (it would be a different disk on every node) unless ``shared_filesystem=True``
     declares a mount every node sees at the same path.
     """

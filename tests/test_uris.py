@@ -151,15 +151,15 @@ def test_bad_locations_are_named_with_the_fix(text, words):
 
 
 def test_pyarrow_options_are_checked_where_they_are_given():
-    with pytest.raises(hi.IterationConfigError, match="Unexpected query parameter.*endpoit"):
+    with pytest.raises(hi.IterationConfigError, match=r"Unexpected query parameter.*endpoit"):
         hi.CheckpointConfig("s3://bkt/x?endpoit_override=h:1")
-    with pytest.raises(hi.IterationConfigError, match="OnlineConfig.dead_letter_path"):
+    with pytest.raises(hi.IterationConfigError, match=r"OnlineConfig\.dead_letter_path"):
         hi.OnlineConfig(dead_letter_path="gs://bkt/x?nope=1")
 
 
 def test_a_location_spark_also_uses_refuses_pyarrow_only_options(tmp_path):
     # pyarrow's options would reach our files but not Spark's: two stores, silently
-    with pytest.raises(hi.IterationConfigError, match="spark.hadoop.fs.s3a.endpoint"):
+    with pytest.raises(hi.IterationConfigError, match=r"spark\.hadoop\.fs\.s3a\.endpoint"):
         hi.OnlineConfig(checkpoint_location="s3a://bkt/ckpt?endpoint_override=h:9000")
     hi.OnlineConfig(dead_letter_path="s3a://bkt/dead?endpoint_override=h:9000")  # ours alone
     with pytest.raises(SideInputConfigError, match="work_dir"):
@@ -204,3 +204,12 @@ def test_config_constructors_make_no_network_call():
         cwd=Path(__file__).resolve().parent.parent,
     )
     assert got.returncode == 0 and "built" in got.stdout, got.stderr[-2000:]
+
+
+def test_every_local_spelling_counts_as_node_local_for_checkpoints():
+    from hybrid_iter._runtime.iterate import node_local_refusal
+
+    for uri in ("/tmp/c", "file:/tmp/c", "FILE:///tmp/c", "file://localhost/tmp/c", "~/c"):
+        assert node_local_refusal(uri, 3, False), uri
+    for uri in ("s3a://b/c", "gs://b/c", "hdfs://nn/c"):
+        assert node_local_refusal(uri, 3, False) is None, uri

@@ -290,7 +290,8 @@ class Model:
         self.result = result
 
     def save(self, path: str, *, overwrite: bool = False) -> str:
-        """Write the model to ``path`` (local or any pyarrow.fs URI); returns the path."""
+        """Write the model to ``path`` (a local path or a storage URI such as ``s3a://``); returns
+        the path."""
         return write_model(
             path, type(self).__name__, self.params, self._arrays, overwrite=overwrite
         )

@@ -336,7 +336,7 @@ class StageModel(StageParams, SparkModel, StageModelIO):
     hasSummary = has_summary
 
     def save(self, path: str, *, overwrite: bool = False) -> str:  # type: ignore[override]
-        """Write the model to ``path`` (local or any pyarrow.fs URI) in our format;
+        """Write the model to ``path`` (a local path or a storage URI such as ``s3a://``) in our format;
         ``model.write().save(path)`` writes Spark's (what a ``PipelineModel`` does).
         ``load`` reads both."""
         from ._persist import write_model

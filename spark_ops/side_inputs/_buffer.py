@@ -8,8 +8,9 @@ what is still in memory and returns the namespace's files, which Spark reads bac
 DataFrame (the records are processed in Spark tasks, not on the driver), and ``clear()``
 deletes them.
 
-The directory is a local path or a URI ``pyarrow.fs`` opens; on a cluster it must be
-storage every executor reads (as a Spark checkpoint location must be).
+The directory is a local path or a storage URI (Spark's spellings: ``s3a://``, ``gs://``,
+``abfss://``, ``hdfs://``; see ``storage_uri``); on a cluster it must be storage every
+executor reads (as a Spark checkpoint location must be).
 """
 
 from __future__ import annotations
