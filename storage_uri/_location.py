@@ -172,7 +172,10 @@ def parse(
     if scheme in _ADVICE:
         raise error(f"{what}={text!r}: {_ADVICE[scheme]}")
     if scheme not in _ARROW:
-        raise error(f"{what}={text!r}: unknown scheme {scheme!r}; use {SUPPORTED}")
+        raise error(
+            f"{what}={text!r}: unknown scheme {scheme!r}, which neither pyarrow.fs nor Spark's "
+            f"Hadoop opens here; use {SUPPORTED}"
+        )
     rest, _, query = rest.partition("?")
     if rest.startswith("//"):
         authority, _, path = rest[2:].partition("/")
