@@ -67,6 +67,8 @@ import cloudpickle
 import numpy as np
 import pyarrow.fs as pafs
 
+import storage_uri
+
 from ._errors import CheckpointEncodeError, CheckpointError, IterationConfigError
 
 __all__ = [
@@ -171,12 +173,10 @@ def key_id(key: bytes) -> str:
 
 
 def open_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    """The ``pyarrow.fs`` file system and path of a checkpoint URI or local path."""
-    if "://" in uri:
-        fs, path = pafs.FileSystem.from_uri(uri)
-    else:
-        fs, path = pafs.LocalFileSystem(), os.path.abspath(uri)
-    return fs, path.rstrip("/") or "/"
+    """The ``pyarrow.fs`` file system and path of a checkpoint location (a local path or
+    a storage URI in Spark's spellings: ``s3a://`` is S3; see ``storage_uri``)."""
+    fs, path = storage_uri.arrow_filesystem(uri, what="checkpoint path", error=IterationConfigError)
+    return fs, path
 
 
 # -- the container --------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import storage_uri
 from coordinator import RuntimeHooks
 
 from ._errors import IterationConfigError
@@ -38,20 +39,14 @@ def _check_call_timeout(field: str, value: object) -> None:
         )
 
 
-def _check_uri(field: str, uri: object) -> str:
-    if not isinstance(uri, str) or not uri:
-        raise IterationConfigError(f"{field} must be a path or a pyarrow.fs URI, got {uri!r}")
-    if "://" in uri:
-        import pyarrow.fs as pafs
-
-        try:
-            pafs.FileSystem.from_uri(uri)
-        except Exception as ex:
-            raise IterationConfigError(
-                f"{field}={uri!r} is not a URI pyarrow.fs can open ({ex}); use a local path, "
-                f"file:///..., s3://..., gs://... or hdfs://..."
-            ) from ex
-    return uri
+def _check_uri(field: str, uri: object, *, spark_reads: bool = False) -> str:
+    """A location's syntax (and pyarrow's reading of its options), without network;
+    the value to keep: a URI as given (Spark's spelling), a plain path made absolute
+    here, on the driver (``~`` expanded; the coordinator actor and Spark's tasks run in
+    other directories). ``spark_reads``: Spark reads or writes there too."""
+    loc = storage_uri.check(uri, what=field, error=IterationConfigError, spark_reads=spark_reads)
+    assert isinstance(uri, str)
+    return uri if not loc.is_local or uri[:5].lower() == "file:" else loc.path
 
 
 @dataclass(frozen=True)
@@ -60,9 +55,10 @@ class CheckpointConfig:
 
     Every ``every_epochs`` global alignments the coordinator writes a consistent cut
     (variables, epoch, its state machine, the coordinator operator, every partition
-    operator's ``snapshot_state()``) to ``path`` (a local path or any ``pyarrow.fs`` URI),
-    atomically and authenticated (docs/fault_tolerance.md), keeping the newest
-    ``keep_last``. On a multi-node Ray cluster a local path or ``file://`` URI is refused
+    operator's ``snapshot_state()``) to ``path`` (a local path, made absolute here, or a
+    storage URI in Spark's spellings: ``s3a://``, ``gs://``, ``abfss://``, ``hdfs://``,
+    ``file:``), atomically and authenticated (docs/fault_tolerance.md), keeping the newest
+    ``keep_last``. On a multi-node Ray cluster a local path or ``file:`` URI is refused
     (it would be a different disk on every node) unless ``shared_filesystem=True``
     declares a mount every node sees at the same path.
     """
@@ -73,7 +69,7 @@ class CheckpointConfig:
     shared_filesystem: bool = False
 
     def __post_init__(self) -> None:
-        _check_uri("CheckpointConfig.path", self.path)
+        object.__setattr__(self, "path", _check_uri("CheckpointConfig.path", self.path))
         if not _is_int(self.every_epochs) or self.every_epochs < 1:
             raise IterationConfigError(
                 f"CheckpointConfig.every_epochs must be an int >= 1, got {self.every_epochs!r}"
@@ -173,7 +169,8 @@ class IterationConfig:
                 f"{type(self.checkpoint).__name__}"
             )
         if self.resume_from is not None:
-            _check_uri("IterationConfig.resume_from", self.resume_from)
+            resume = _check_uri("IterationConfig.resume_from", self.resume_from)
+            object.__setattr__(self, "resume_from", resume)
         if self.max_restarts is not None and (
             not _is_int(self.max_restarts) or self.max_restarts < 0
         ):

@@ -13,11 +13,14 @@ One folder per capability; this module re-exports each one's public surface:
   and the Arrow -> numpy cache each subtask reads its data into once
   (``partition_cache``).
 * ``aggregate.py``: the ``AggregateFunction`` contract the capabilities share.
+* ``_hadoop.py``: ``require_spark_filesystem``, whether Spark's Hadoop can open a
+  storage location (asked through the JVM before a query starts).
 
 Every error raised on purpose derives from ``SparkOpsError`` (the tree: ``_errors``).
 """
 
 from ._errors import SparkOpsConfigError, SparkOpsError, SparkOpsIndexError
+from ._hadoop import require_spark_filesystem
 from .aggregate import AggregateFunction
 from .full_partition import (
     FunctionContext,
@@ -128,5 +131,6 @@ __all__ = [
     "num_partitions",
     "persisted_rdd_ids",
     "redistribute",
+    "require_spark_filesystem",
     "with_side_inputs",
 ]

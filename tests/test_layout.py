@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {
     "coordinator": {"pyspark", "hybrid_iter", "spark_ops"},
     "spark_ops": {"ray", "hybrid_iter", "coordinator"},
+    # the leaf the three share (storage locations): pyarrow only
+    "storage_uri": {"pyspark", "ray", "hybrid_iter", "coordinator", "spark_ops"},
 }
 
 
@@ -36,7 +38,15 @@ def test_package_never_imports_its_forbidden_neighbours(package):
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("package, absent", [("coordinator", "pyspark"), ("spark_ops", "ray")])
+@pytest.mark.parametrize(
+    "package, absent",
+    [
+        ("coordinator", "pyspark"),
+        ("spark_ops", "ray"),
+        ("storage_uri", "pyspark"),
+        ("storage_uri", "ray"),
+    ],
+)
 def test_importing_a_package_does_not_load_the_other_engine(package, absent):
     code = f"import sys, {package}; print({absent!r} in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -59,6 +69,14 @@ def test_public_api_is_declared():
 )
 def test_ruff_is_clean():
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
-    dirs = ["hybrid_iter", "coordinator", "spark_ops", "tests", "examples", "benchmarks"]
+    dirs = [
+        "hybrid_iter",
+        "coordinator",
+        "spark_ops",
+        "storage_uri",
+        "tests",
+        "examples",
+        "benchmarks",
+    ]
     proc = subprocess.run([ruff, "check", *dirs], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

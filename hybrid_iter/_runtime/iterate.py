@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+import storage_uri
 from coordinator import (
     CheckpointEncodeError,
     CheckpointInfo,
@@ -637,10 +638,10 @@ def _digest_operator(op: Any) -> bytes:
 def node_local_refusal(uri: str, alive_nodes: int, shared_filesystem: bool) -> str | None:
     """Why a checkpoint path cannot be used on this cluster (None: it can). Pure.
 
-    A ``file://`` URI or a plain path lands on the disk of whichever node runs the
+    A ``file:`` URI or a plain path lands on the disk of whichever node runs the
     coordinator; on a multi-node cluster a coordinator restarted elsewhere would not
     find it, and the driver's checks would read another disk."""
-    local = "://" not in uri or uri.startswith("file://")
+    local = storage_uri.parse(uri, what="checkpoint path", error=IterationConfigError).is_local
     if not local or alive_nodes <= 1 or shared_filesystem:
         return None
     return (

@@ -38,6 +38,7 @@ from typing import Any
 
 import pyarrow as pa
 
+import storage_uri
 from coordinator import (
     CheckpointSpec,
     CoordinatorSpec,
@@ -48,6 +49,7 @@ from coordinator import (
     normalize_variables,
 )
 from coordinator._finite import check_finite_variables
+from spark_ops import require_spark_filesystem
 
 from .._body import IterationBody
 from .._config import (
@@ -178,7 +180,12 @@ class OnlineConfig:
             )
         for field in ("checkpoint_location", "dead_letter_path", "output_path"):
             if getattr(self, field) is not None:
-                _check_uri(f"OnlineConfig.{field}", getattr(self, field))
+                value = _check_uri(
+                    f"OnlineConfig.{field}",
+                    getattr(self, field),
+                    spark_reads=field == "checkpoint_location",  # the query's own files too
+                )
+                object.__setattr__(self, field, value)
         if self.on_corrupt_checkpoint not in ("fail", "reset"):
             raise IterationConfigError(
                 f"OnlineConfig.on_corrupt_checkpoint must be 'fail' (stop with an error naming "
@@ -431,21 +438,9 @@ def _split_malformed(
 
 
 def _filesystem(path: str) -> tuple[Any, str]:
-    """(pyarrow filesystem, path in it) of a local path or a URI (Spark's ``file:/x``)."""
-    import pyarrow.fs as pafs
-
-    if path.startswith("file:"):
-        rest = path[len("file:") :]
-        if rest.startswith("//"):  # file:///x (and file://host/x, local host only)
-            rest = rest[2:]
-            rest = rest[rest.index("/") :] if "/" in rest else "/"
-        return pafs.LocalFileSystem(), rest
-    if "://" in path:
-        scheme, rest = path.split("://", 1)
-        if scheme in ("s3a", "s3n"):  # Hadoop's names for S3
-            path = f"s3://{rest}"
-        return pafs.FileSystem.from_uri(path)
-    return pafs.LocalFileSystem(), path
+    """(pyarrow filesystem, path in it) of a location we write or read ourselves: the
+    user's (Spark's spellings: ``s3a://`` is S3) or one Spark listed (``file:/x``)."""
+    return storage_uri.arrow_filesystem(path, error=IterationConfigError)
 
 
 def _write_dead_letters(path: str, batch_id: int, pid: int, batches: list[pa.RecordBatch]) -> None:
@@ -976,6 +971,13 @@ def iterate_unbounded_streams(
     if stream.numeric_columns:
         stream.validate(0, streaming=True)
     spark = df.sparkSession
+    if cfg.checkpoint_location is not None:  # Spark writes its own files there: can it?
+        require_spark_filesystem(
+            spark,
+            cfg.checkpoint_location,
+            what="OnlineConfig.checkpoint_location",
+            error=IterationConfigError,
+        )
     parquet = _parquet_source(df) if cfg.parquet_reader == "arrow" else None
     arrow_schema = None
     if parquet is not None:
@@ -999,15 +1001,18 @@ def iterate_unbounded_streams(
     dead_letter_path = cfg.dead_letter_path
     location = None
     if cfg.checkpoint_location is not None:
-        location = cfg.checkpoint_location.rstrip("/")
+        # Spark keeps its offsets and commits there (in its spelling), we keep ours under
+        # <location>/hybrid_iter through pyarrow
+        here = storage_uri.parse(cfg.checkpoint_location, error=IterationConfigError)
+        location = here.uri
         checkpoint = CheckpointSpec(
-            uri=f"{location}/hybrid_iter",
+            uri=here.join("hybrid_iter").uri,
             every_epochs=1,
             keep_last=cfg.keep_last,
             fingerprint={**_fingerprint(body, data_streams, variables, 0), "online": True},
             restore=True,
         )
-        dead_letter_path = dead_letter_path or f"{location}/dead_letter"
+        dead_letter_path = dead_letter_path or here.join("dead_letter").uri
     spec = CoordinatorSpec(
         num_subtasks=1,
         num_streams=1,
@@ -1191,7 +1196,7 @@ def iterate_unbounded_streams(
         )
     writer = writer_df.writeStream.foreachBatch(on_batch).queryName(name.replace(".", "_"))
     if cfg.checkpoint_location is not None:
-        writer = writer.option("checkpointLocation", cfg.checkpoint_location)
+        writer = writer.option("checkpointLocation", storage_uri.spark_uri(cfg.checkpoint_location))
     if cfg.trigger:
         writer = writer.trigger(**dict(cfg.trigger))
     try:

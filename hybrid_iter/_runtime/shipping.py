@@ -19,7 +19,7 @@ from .._errors import IterationConfigError
 
 __all__ = ["dumps"]
 
-_OWN = {"hybrid_iter", "coordinator", "spark_ops"}
+_OWN = {"hybrid_iter", "coordinator", "spark_ops", "storage_uri"}
 
 
 def _installed_roots() -> list[Path]:

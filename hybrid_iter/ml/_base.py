@@ -22,7 +22,7 @@ from .._runtime.array_store import forget, plan_reuse
 from .._runtime.iterate import iterate_bounded_streams_until_termination
 from .._streams import DataStream, ReplayableDataStreamList, _is_dataframe
 from ._features import FeaturePlan
-from ._persist import read_model, spark_layout, write_model
+from ._persist import data_dir, read_model, spark_layout, write_model
 
 __all__ = [
     "MODES",
@@ -290,7 +290,8 @@ class Model:
         self.result = result
 
     def save(self, path: str, *, overwrite: bool = False) -> str:
-        """Write the model to ``path`` (local or any pyarrow.fs URI); returns the path."""
+        """Write the model to ``path`` (a local path or a storage URI such as ``s3a://``); returns
+        the path."""
         return write_model(
             path, type(self).__name__, self.params, self._arrays, overwrite=overwrite
         )
@@ -301,7 +302,7 @@ class Model:
         ``PipelineModel`` writes; needs a SparkSession); any model class when called on
         ``Model``."""
         spark = spark_layout(path)
-        name, params, arrays = read_model(f"{path.rstrip('/')}/data" if spark else path)
+        name, params, arrays = read_model(data_dir(path) if spark else path)
         if name not in Model._registry:  # the stages register when first imported
             from . import kmeans, linear  # noqa: F401
 

@@ -1,5 +1,5 @@
-"""Saving and loading models through ``pyarrow.fs`` (local paths, file://, s3://, gs://,
-hdfs://). Runs on the driver.
+"""Saving and loading models through ``pyarrow.fs`` (local paths and storage URIs in
+Spark's spellings: file:, s3a://, s3://, gs://, abfss://, hdfs://). Runs on the driver.
 
 A saved model is a directory: ``arrays.npz`` (numpy arrays, no pickles) written first,
 then ``metadata.json`` (format, model class, parameters, library version); a directory
@@ -16,9 +16,11 @@ from typing import Any
 
 import numpy as np
 
+import storage_uri
+
 from .._errors import IterationConfigError
 
-__all__ = ["read_model", "spark_layout", "write_model"]
+__all__ = ["data_dir", "read_model", "spark_layout", "write_model"]
 
 FORMAT = "hybrid_iter.ml"
 FORMAT_VERSION = 1
@@ -27,21 +29,15 @@ _ARRAYS = "arrays.npz"
 
 
 def _filesystem(path: str) -> tuple[Any, str]:
-    import pyarrow.fs as pafs
+    """The ``pyarrow.fs`` filesystem and path of a model directory (a local path or a
+    storage URI in Spark's spellings: ``s3a://`` is S3; see ``storage_uri``)."""
+    return storage_uri.arrow_filesystem(path, what="path", error=IterationConfigError)
 
-    if not isinstance(path, str) or not path:
-        raise IterationConfigError(f"path must be a local path or a pyarrow.fs URI, got {path!r}")
-    if "://" in path:
-        try:
-            return pafs.FileSystem.from_uri(path)
-        except Exception as ex:
-            raise IterationConfigError(
-                f"path {path!r} is not a URI pyarrow.fs can open ({ex}); use a local path, "
-                f"file:///..., s3://..., gs://... or hdfs://..."
-            ) from ex
-    import os
 
-    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
+def data_dir(path: str) -> str:
+    """Where Spark's layout (``model.write().save(path)``) keeps our arrays: ``path/data``
+    (joined before any query string of the URI)."""
+    return storage_uri.parse(path, what="path", error=IterationConfigError).join("data").uri
 
 
 def write_model(

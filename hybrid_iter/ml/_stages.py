@@ -209,11 +209,11 @@ class StageModelWriter(MLWriter):
         self.instance = instance
 
     def saveImpl(self, path: str) -> None:
-        from ._persist import write_model
+        from ._persist import data_dir, write_model
 
         DefaultParamsWriter.saveMetadata(self.instance, path, self.sc)
         write_model(
-            f"{path}/data",
+            data_dir(path),
             type(self.instance).__name__,
             self.instance.param_values(),
             self.instance._arrays,
@@ -229,10 +229,10 @@ class StageModelReader(MLReader):
         self.cls = cls
 
     def load(self, path: str) -> Any:
-        from ._persist import read_model
+        from ._persist import data_dir, read_model
 
         metadata = DefaultParamsReader.loadMetadata(path, self.sc)
-        _, _, arrays = read_model(f"{path}/data")
+        _, _, arrays = read_model(data_dir(path))
         model = self.cls._from_arrays(arrays)
         model._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(model, metadata)
@@ -336,7 +336,7 @@ class StageModel(StageParams, SparkModel, StageModelIO):
     hasSummary = has_summary
 
     def save(self, path: str, *, overwrite: bool = False) -> str:  # type: ignore[override]
-        """Write the model to ``path`` (local or any pyarrow.fs URI) in our format;
+        """Write the model to ``path`` (a local path or a storage URI such as ``s3a://``) in our format;
         ``model.write().save(path)`` writes Spark's (what a ``PipelineModel`` does).
         ``load`` reads both."""
         from ._persist import write_model

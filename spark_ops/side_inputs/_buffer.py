@@ -8,8 +8,9 @@ what is still in memory and returns the namespace's files, which Spark reads bac
 DataFrame (the records are processed in Spark tasks, not on the driver), and ``clear()``
 deletes them.
 
-The directory is a local path or a URI ``pyarrow.fs`` opens; on a cluster it must be
-storage every executor reads (as a Spark checkpoint location must be).
+The directory is a local path or a storage URI (Spark's spellings: ``s3a://``, ``gs://``,
+``abfss://``, ``hdfs://``; see ``storage_uri``); on a cluster it must be storage every
+executor reads (as a Spark checkpoint location must be).
 """
 
 from __future__ import annotations
@@ -21,18 +22,13 @@ from typing import Any
 
 import pyarrow as pa
 
+import storage_uri
+
+from ._errors import SideInputConfigError
+
 __all__ = ["RecordBuffer"]
 
 _ALL: Any = object()
-
-
-def arrow_fs(uri: str) -> tuple[Any, str]:
-    """A pyarrow filesystem and path for a Spark-style URI (``s3a://`` is ``s3://`` here)."""
-    import pyarrow.fs as pafs
-
-    if uri.startswith("s3a://"):
-        uri = "s3://" + uri[len("s3a://") :]
-    return pafs.FileSystem.from_uri(uri)
 
 
 @dataclass
@@ -51,17 +47,19 @@ class RecordBuffer:
     """
 
     def __init__(self, directory: str, *, memory_budget: int = 64 << 20) -> None:
-        if not isinstance(directory, str) or not directory:
-            raise ValueError(f"RecordBuffer needs a directory path or URI, got {directory!r}")
+        where = storage_uri.parse(
+            directory, what="RecordBuffer directory", error=SideInputConfigError
+        )
         if (
             isinstance(memory_budget, bool)
             or not isinstance(memory_budget, int)
             or memory_budget < 0
         ):
             raise ValueError(f"memory_budget must be an int >= 0 (bytes), got {memory_budget!r}")
-        self.directory = directory.rstrip("/")
+        self.directory = where.uri
         self.memory_budget = memory_budget
-        self._fs, self._root = arrow_fs(self.directory)
+        self._where = where
+        self._fs, self._root = where.filesystem()
         self._spaces: dict[Hashable, _Namespace] = {}
         self._dirs: dict[Hashable, str] = {}
         self.schema: pa.Schema | None = None
@@ -114,19 +112,15 @@ class RecordBuffer:
     # -- for the runtime --------------------------------------------------------------------
 
     def files(self, namespace: Hashable) -> list[str]:
-        """Spill what the namespace holds in memory; return all its files (full URIs when
-        the directory is a URI), for ``spark.read.parquet``."""
+        """Spill what the namespace holds in memory; return all its files as Spark is
+        given them (``file:///...`` for a local directory; the directory's scheme, without
+        pyarrow's query options, for a URI), for ``spark.read.parquet``."""
         ns = self._spaces.get(namespace)
         if ns is None:
             return []
         if ns.memory:
             self._spill(namespace)
-        prefix = (
-            self.directory[: len(self.directory) - len(self._root)]
-            if "://" in self.directory
-            else ""
-        )
-        return [prefix + p for p in ns.files]
+        return [self._where.spark + p[len(self._root) :] for p in ns.files]
 
     def namespaces(self) -> list[Hashable]:
         return list(self._spaces)

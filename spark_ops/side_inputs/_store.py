@@ -2,8 +2,9 @@
 
 Written by Spark tasks (one ``mapInArrow`` per side micro-batch, started by the driver in
 ``foreachBatch``), read by the Spark tasks of the main micro-batches. Files go through
-``pyarrow.fs``, so the root may be a local path (one machine) or any URI pyarrow opens
-(``hdfs://``, ``s3://``, ``gs://``) that every executor can reach.
+``pyarrow.fs``, so the root may be a local path (one machine) or a storage URI in Spark's
+spellings (``s3a://``, ``gs://``, ``abfss://``, ``hdfs://``; see ``storage_uri``) that
+every executor can reach.
 
 Layout: ``{root}/{view_id}/v{version}/bucket={b}/part-{partition}.parquet``, columns
 ``__k*`` (key), ``__w`` (window, when windowed), ``__v*`` (value). A key's group is
@@ -24,7 +25,10 @@ from typing import Any
 
 import pyarrow as pa
 
+import storage_uri
+
 from ._content import VersionApplier, key_names, keys_of, namespaces_of
+from ._errors import SideInputConfigError
 from ._views import _ViewSpec
 
 __all__ = ["SUMMARY_SCHEMA", "Delta", "KeyedSource", "load_shard", "write_delta_task"]
@@ -57,9 +61,7 @@ class KeyedSource:
 
 
 def _fs(root: str) -> tuple[Any, str]:
-    import pyarrow.fs as pafs
-
-    return pafs.FileSystem.from_uri(root)
+    return storage_uri.arrow_filesystem(root, what="work_dir", error=SideInputConfigError)
 
 
 def delta_dir(root_path: str, view_id: str, version: int) -> str:

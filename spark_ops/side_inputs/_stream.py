@@ -34,7 +34,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pyarrow as pa
 
-from ._buffer import RecordBuffer, arrow_fs
+import storage_uri
+
+from .._hadoop import require_spark_filesystem
+from ._buffer import RecordBuffer
 from ._content import duplicate_error, match_window, namespaces_of
 from ._errors import SideInputConfigError, SideInputError, SideInputNotReadyError
 from ._plan import MainSpec, col, collect_arrow, fold_side, layout_columns, run_on
@@ -173,8 +176,18 @@ class SideInputStream:
             raise SideInputConfigError(
                 f"start(): key_groups must be an int >= 1, got {key_groups!r}"
             )
-        if work_dir is not None and (not isinstance(work_dir, str) or not work_dir):
-            raise SideInputConfigError(f"start(): work_dir must be a path or URI, got {work_dir!r}")
+        if work_dir is not None:
+            # Spark keeps the queries' checkpoints there: no pyarrow-only URI options, and
+            # a scheme Spark's Hadoop opens (asked before any query starts)
+            storage_uri.check(
+                work_dir, what="start(): work_dir", error=SideInputConfigError, spark_reads=True
+            )
+            require_spark_filesystem(
+                self.main.sparkSession,
+                work_dir,
+                what="start(): work_dir",
+                error=SideInputConfigError,
+            )
         if trigger_interval is not None and not isinstance(trigger_interval, str):
             raise SideInputConfigError(
                 f"start(): trigger_interval must be a string such as '1 second', got "
@@ -234,8 +247,15 @@ class SideInputQuery:
         self._trigger = trigger_interval
         self.name = name
         self._own_dir = work_dir is None
-        self.work_dir = (work_dir or tempfile.mkdtemp(prefix="side_inputs_")).rstrip("/")
-        self.buffer = RecordBuffer(f"{self.work_dir}/buffer", memory_budget=buffer_memory)
+        self._where = storage_uri.parse(
+            work_dir or tempfile.mkdtemp(prefix="side_inputs_"),
+            what="start(): work_dir",
+            error=SideInputConfigError,
+        )
+        self.work_dir = self._where.uri
+        #: the keyed views' store (written and read through pyarrow by Spark tasks)
+        self._state = self._where.join("state").uri
+        self.buffer = RecordBuffer(self._where.join("buffer").uri, memory_budget=buffer_memory)
         self._views = [_View(v, v._spec) for v in stream.views]
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -375,7 +395,7 @@ class SideInputQuery:
 
     def _start_query(self, writer: Any, callback: Callable[..., None], role: str) -> Any:
         writer = writer.foreachBatch(callback).option(
-            "checkpointLocation", f"{self.work_dir}/checkpoints/{role}"
+            "checkpointLocation", self._where.join("checkpoints", role).spark
         )
         if self._trigger:
             writer = writer.trigger(processingTime=self._trigger)
@@ -430,9 +450,9 @@ class SideInputQuery:
         n = min(self.key_groups, self._spark.sparkContext.defaultParallelism)
         laid = df.select(bucket, *layout_columns(spec)).repartition(n, BUCKET)
         summary = laid.mapInArrow(
-            write_delta_task(spec, f"{self.work_dir}/state", version), SUMMARY_SCHEMA
+            write_delta_task(spec, self._state, version), SUMMARY_SCHEMA
         ).collect()
-        fs, base = arrow_fs(f"{self.work_dir}/state")
+        fs, base = storage_uri.arrow_filesystem(self._state, error=SideInputConfigError)
         dup = next((r for r in summary if r["dup_key"] is not None), None)
         if dup is not None or not any(r["rows"] for r in summary):
             fs.delete_dir_contents(delta_dir(base, spec.view_id, version), missing_dir_ok=True)
@@ -471,7 +491,7 @@ class SideInputQuery:
         broadcast = tuple((v.spec, v.version) for v in self._views if not v.spec.keyed)
         bcasts = {v.spec.view_id: v.bcast for v in self._views if not v.spec.keyed}
         sources = tuple(
-            KeyedSource(v.spec, f"{self.work_dir}/state", v.version, tuple(v.deltas))
+            KeyedSource(v.spec, self._state, v.version, tuple(v.deltas))
             for v in self._views
             if v.spec.keyed
         )

@@ -1,0 +1,94 @@
+"""Whether Spark's Hadoop can open a storage location, asked before a query starts.
+
+A streaming query's checkpoint location (and whatever else Spark itself reads or writes)
+goes through Hadoop's ``FileSystem`` of the location's scheme; a scheme Hadoop has no
+class for fails only once the query runs (``No FileSystem for scheme "s3"``,
+``ClassNotFoundException: ...S3AFileSystem``). ``require_spark_filesystem`` turns that
+into an error before any job, naming what to add.
+
+The JVM is reached in two small functions only, ``hadoop_filesystem_class`` and
+``hadoop_version`` (py4j, through ``sparkContext._jvm``), so a compatibility layer for
+Spark internals can take them over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import storage_uri
+
+__all__ = ["hadoop_filesystem_class", "hadoop_version", "require_spark_filesystem"]
+
+
+def hadoop_filesystem_class(spark: Any, scheme: str) -> str | None:
+    """The Hadoop ``FileSystem`` class Spark's driver uses for ``scheme`` (its
+    ``spark.hadoop.fs.<scheme>.impl`` or Hadoop's default), or None when it has none or
+    the class is missing. Makes no filesystem and no network call. Raises when this
+    SparkSession has no JVM in this process (Spark Connect)."""
+    from py4j.protocol import Py4JJavaError
+
+    sc = spark.sparkContext
+    conf = sc._jsc.hadoopConfiguration()
+    try:
+        klass = sc._jvm.org.apache.hadoop.fs.FileSystem.getFileSystemClass(scheme, conf)
+    except Py4JJavaError:  # UnsupportedFileSystemException, or ClassNotFoundException
+        return None
+    return str(klass.getName())
+
+
+def hadoop_version(spark: Any) -> str:
+    """The version of the Hadoop client Spark runs with (e.g. ``3.3.4``)."""
+    return str(spark.sparkContext._jvm.org.apache.hadoop.util.VersionInfo.getVersion())
+
+
+def _advice(scheme: str, hadoop: str) -> str:
+    s3a = f"spark.jars.packages=org.apache.hadoop:hadoop-aws:{hadoop}"
+    if scheme == "s3a":
+        return (
+            f"add Hadoop's S3A connector when the SparkSession is created: {s3a} (the "
+            f"version of Spark's Hadoop; it brings its AWS SDK)"
+        )
+    if scheme in ("s3", "s3n"):
+        return (
+            f"open-source Hadoop reads S3 as s3a://: write the location as s3a://... (our "
+            f"files take that spelling too) with {s3a}, or map the scheme with "
+            f"spark.hadoop.fs.{scheme}.impl=org.apache.hadoop.fs.s3a.S3AFileSystem"
+        )
+    if scheme == "gs":
+        return (
+            "add Google's Cloud Storage connector when the SparkSession is created "
+            "(spark.jars.packages=com.google.cloud.bigdataoss:gcs-connector:hadoop3-<version>"
+            " and spark.hadoop.fs.gs.impl=com.google.cloud.hadoop.fs.gcs."
+            "GoogleHadoopFileSystem)"
+        )
+    if scheme in ("abfs", "abfss"):
+        return (
+            f"add Hadoop's ABFS driver when the SparkSession is created: "
+            f"spark.jars.packages=org.apache.hadoop:hadoop-azure:{hadoop}"
+        )
+    return f"add a Hadoop FileSystem for {scheme}:// to Spark's classpath"
+
+
+def require_spark_filesystem(
+    spark: Any, uri: str, *, what: str, error: Callable[[str], Exception]
+) -> None:
+    """Raise ``error`` naming ``what`` when Spark's Hadoop cannot open ``uri``'s scheme.
+
+    A local location always passes (Spark is given ``file://``). Without a JVM in this
+    process (Spark Connect) nothing can be asked: the server reports it when the query
+    starts."""
+    loc = storage_uri.parse(uri, what=what, error=error)
+    if loc.is_local:
+        return
+    scheme = loc.spark.split(":", 1)[0]
+    try:
+        found = hadoop_filesystem_class(spark, scheme)
+        hadoop = hadoop_version(spark) if found is None else ""
+    except Exception:  # no JVM here (Spark Connect)
+        return
+    if found is None:
+        raise error(
+            f"{what}={uri!r}: Spark's Hadoop ({hadoop}) has no FileSystem for {scheme}://, "
+            f"so Spark cannot keep its own files there; {_advice(scheme, hadoop)}"
+        )
