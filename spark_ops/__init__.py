@@ -14,10 +14,11 @@ One folder per capability; this module re-exports each one's public surface:
   (``partition_cache``).
 * ``aggregate.py``: the ``AggregateFunction`` contract the capabilities share.
 
-Every error raised on purpose derives from ``SparkOpsError`` (the tree: ``_errors``).
+Every error raised on purpose derives from ``SparkOpsError`` (the tree: ``_errors``); a
+user function that raises in a Spark task makes the action raise ``UserFunctionError``.
 """
 
-from ._errors import SparkOpsConfigError, SparkOpsError, SparkOpsIndexError
+from ._errors import SparkOpsConfigError, SparkOpsError, SparkOpsIndexError, UserFunctionError
 from .aggregate import AggregateFunction
 from .full_partition import (
     FunctionContext,
@@ -115,6 +116,7 @@ __all__ = [
     "SparkOpsConfigError",
     "SparkOpsError",
     "SparkOpsIndexError",
+    "UserFunctionError",
     "available_task_slots",
     "cached_source",
     "column_to_numpy",
