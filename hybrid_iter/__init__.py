@@ -40,7 +40,9 @@ from ._errors import (
     SparkOpsError,
     StoredArraysLost,
     UsageError,
+    UserFunctionError,
     VariablesMismatchError,
+    WorkerDiedError,
 )
 from ._operators import CoordinatorOperator, IterationListener, PartitionOperator
 from ._result import IterationResult
@@ -101,7 +103,9 @@ __all__ = [
     "TerminationCriteria",
     "TerminationReason",
     "UsageError",
+    "UserFunctionError",
     "VariablesMismatchError",
+    "WorkerDiedError",
     "__version__",
     "iterate_bounded_streams_until_termination",
     "iterate_bulk",

@@ -36,6 +36,7 @@ from .iteration import (
     ColumnChunks,
     NumpyCache,
     ReplayPlan,
+    WorkerDeath,
     available_task_slots,
     cached_source,
     column_to_numpy,
@@ -43,6 +44,8 @@ from .iteration import (
     is_numeric_arrow_type,
     num_partitions,
     persisted_rdd_ids,
+    python_worker_death,
+    spark_error_text,
 )
 from .local_agg import (
     LocalAggMetrics,
@@ -117,6 +120,7 @@ __all__ = [
     "SparkOpsError",
     "SparkOpsIndexError",
     "UserFunctionError",
+    "WorkerDeath",
     "available_task_slots",
     "cached_source",
     "column_to_numpy",
@@ -129,6 +133,8 @@ __all__ = [
     "local_key_by",
     "num_partitions",
     "persisted_rdd_ids",
+    "python_worker_death",
     "redistribute",
+    "spark_error_text",
     "with_side_inputs",
 ]
