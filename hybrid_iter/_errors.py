@@ -32,6 +32,10 @@
     │   └── FeedbackShapeMismatch            feeding back arrays of different shapes
     │                                        (these arrive as the cause inside
     │                                        IterationFailedError)
+    ├── ModelExistsError (FileExistsError)   ``model.save(path)`` where a model is saved
+    │                                        already (``overwrite=True`` replaces it)
+    ├── ModelNotFoundError                   ``Model.load(path)`` of a path holding no
+    │   (FileNotFoundError)                  saved model
     ├── CheckpointError                      a checkpoint cannot be found, read, trusted
     │   ├── CheckpointCorrupt (ValueError)   failed authentication, truncated
     │   ├── ForeignCheckpoint (ValueError)   of another run or another iteration
@@ -82,6 +86,8 @@ __all__ = [
     "HybridIterError",
     "IterationConfigError",
     "IterationFailedError",
+    "ModelExistsError",
+    "ModelNotFoundError",
     "RemoteFailure",
     "SessionError",
     "SparkOpsError",
@@ -176,3 +182,12 @@ class WorkerDiedError(IterationFailedError):
                 self.spark_message,
             ),
         )
+
+
+class ModelExistsError(HybridIterError, FileExistsError):
+    """``model.save(path)`` where a saved model already is; also a ``FileExistsError``."""
+
+
+class ModelNotFoundError(HybridIterError, FileNotFoundError):
+    """``Model.load(path)`` of a path that holds no saved model; also a
+    ``FileNotFoundError``."""

@@ -64,6 +64,8 @@ def test_the_root_is_the_same_class_in_both_packages():
         (hi.StoredArraysLost, RuntimeError),
         (hi.IterationFailedError, RuntimeError),
         (hi.WorkerDiedError, hi.IterationFailedError),
+        (hi.ModelExistsError, FileExistsError),
+        (hi.ModelNotFoundError, FileNotFoundError),
         (hi.UsageError, RuntimeError),
         (hi.VariablesMismatchError, ValueError),
         (hi.OnlineCheckpointError, RuntimeError),
