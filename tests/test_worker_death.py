@@ -90,6 +90,14 @@ DEATH_TABLE = [
         "(PythonArrowOutput.scala:105)\n",
         WorkerDeath(2, "java.io.EOFException"),
     ),
+    # Spark 3.5 handed a task a pooled worker its kill monitor had stopped
+    (
+        _LOST.format(p=0, reason="java.net.SocketException: Socket is closed")
+        + "\tat java.base/java.net.Socket.getInputStream(Socket.java:927)\n"
+        "\tat org.apache.spark.api.python.BasePythonRunner.compute(PythonRunner.scala:209)\n"
+        + _DRIVER,
+        WorkerDeath(0, "java.net.SocketException: Socket is closed"),
+    ),
     # a non-barrier stage (or Spark's message with task retries)
     (
         _LOST.format(p=2, reason=_CRASHED) + "Caused by: java.io.EOFException\n",

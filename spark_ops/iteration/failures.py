@@ -10,7 +10,10 @@ on when the worker died:
   fault ...`` when the fault handler is on), caused by an ``EOFException``;
 * writing its input (the JVM's writer thread): the socket's own error,
   ``java.net.SocketException: Connection reset`` or ``Broken pipe``, or a bare
-  ``java.io.EOFException``, from frames of ``org.apache.spark.api.python``.
+  ``java.io.EOFException``, from frames of ``org.apache.spark.api.python``;
+* a worker Spark's kill monitor stopped after it went back to the idle pool (a race of
+  Spark 3.5 after a cancelled job), handed to the next task:
+  ``java.net.SocketException: Socket is closed`` in ``BasePythonRunner.compute``.
 
 The failed task is named in the job's message: ``barrier task ResultTask(stage,
 partition)`` for a barrier stage, ``Lost task p.a in stage ...`` otherwise (for the
@@ -49,7 +52,7 @@ _CRASHED = "Python worker exited unexpectedly"
 _SOCKET = re.compile(
     r"^(?:java\.io\.EOFException\s*$"
     r"|(?:java\.net\.SocketException|java\.io\.IOException)"
-    r": (?:Connection reset(?: by peer)?|Broken pipe|Socket closed|Stream closed)\b)"
+    r": (?:Connection reset(?: by peer)?|Broken pipe|Socket (?:is )?closed|Stream closed)\b)"
 )
 #: where a reason's own stack ends and the driver's begins
 _DRIVER_SIDE = re.compile(r"\n\s*(?:Driver stacktrace:|at org\.apache\.spark\.scheduler\.DAG)")
