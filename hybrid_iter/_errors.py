@@ -15,8 +15,12 @@
     │                                        non-numeric values, an empty stream);
     │                                        nothing was trained
     ├── IterationFailedError (RuntimeError)  user code failed in a Spark task or in the
-    │                                        coordinator; ``failures`` maps the partition
-    │                                        id (or "coordinator") to a RemoteFailure
+    │   │                                    coordinator; ``failures`` maps the partition
+    │   │                                    id (or "coordinator") to a RemoteFailure
+    │   └── WorkerDiedError                  a Spark Python worker running a subtask died
+    │                                        (killed, out of memory, a native crash): no
+    │                                        exception of user code; the estimators and
+    │                                        ``ps.train`` relaunch once
     ├── SessionError (RuntimeError)          no session, or a session that cannot start
     ├── StoredArraysLost (RuntimeError)      the array cache lost what a fit was to read
     │                                        (the fit reads from Spark instead)
@@ -28,6 +32,10 @@
     │   └── FeedbackShapeMismatch            feeding back arrays of different shapes
     │                                        (these arrive as the cause inside
     │                                        IterationFailedError)
+    ├── ModelExistsError (FileExistsError)   ``model.save(path)`` where a model is saved
+    │                                        already (``overwrite=True`` replaces it)
+    ├── ModelNotFoundError                   ``Model.load(path)`` of a path holding no
+    │   (FileNotFoundError)                  saved model
     ├── CheckpointError                      a checkpoint cannot be written, found, read,
     │   │                                    trusted
     │   ├── CheckpointEncodeError            a value a checkpoint must hold does not
@@ -48,9 +56,9 @@
     SparkOpsError                            root of the spark_ops errors (full-partition,
     ├── SparkOpsConfigError                  local aggregation, side inputs), re-exported
     ├── PartitionFunctionError               here; the whole tree is drawn in
-    ├── NonMergeableAggregateError           ``spark_ops/_errors.py``. It is its own root
-    └── SideInputError                       because spark_ops is usable without
-                                             hybrid_iter.
+    ├── UserFunctionError (PythonException)  ``spark_ops/_errors.py``. It is its own root
+    ├── NonMergeableAggregateError           because spark_ops is usable without
+    └── SideInputError                       hybrid_iter.
 
 The classes the coordinator tier raises are defined in ``coordinator._errors`` (and next
 to the code that raises them in ``coordinator``), which imports neither pyspark nor
@@ -75,7 +83,7 @@ from coordinator import (
     UsageError,
     VariablesMismatchError,
 )
-from spark_ops import SparkOpsError
+from spark_ops import SparkOpsError, UserFunctionError
 
 __all__ = [
     "CheckpointEncodeError",
@@ -85,12 +93,16 @@ __all__ = [
     "HybridIterError",
     "IterationConfigError",
     "IterationFailedError",
+    "ModelExistsError",
+    "ModelNotFoundError",
     "RemoteFailure",
     "SessionError",
     "SparkOpsError",
     "StoredArraysLost",
     "UsageError",
+    "UserFunctionError",
     "VariablesMismatchError",
+    "WorkerDiedError",
 ]
 
 
@@ -121,3 +133,68 @@ class IterationFailedError(HybridIterError, RuntimeError):
 
     def __reduce__(self):
         return (IterationFailedError, (self.message, self.failures))
+
+
+class WorkerDiedError(IterationFailedError):
+    """A Spark Python worker running a subtask died: killed from outside, by the
+    out-of-memory killer or a container limit, or crashed in native code; no exception
+    of user code. ``partition``: the subtask (None when Spark did not name it);
+    ``signal`` / ``exit_code``: when Spark's report gives them; ``report``: Spark's words
+    in one line; ``spark_message``: Spark's own report, JVM trace included (the Spark
+    error is also the ``__cause__``). The ``hybrid_iter.ml`` estimators and ``ps.train``
+    relaunch once on it: a relaunch reads the same data and gives the same model."""
+
+    def __init__(
+        self,
+        message: str,
+        failures: Mapping[int | str, BaseException],
+        partition: int | None = None,
+        signal: str | None = None,
+        exit_code: int | None = None,
+        report: str = "",
+        spark_message: str = "",
+    ) -> None:
+        super().__init__(message, failures)
+        self.partition = partition
+        self.signal = signal
+        self.exit_code = exit_code
+        self.report = report
+        self.spark_message = spark_message
+
+    @property
+    def what(self) -> str:
+        """One line: which worker died, and how Spark said it."""
+        return self.describe(self.partition, self.signal, self.exit_code, self.report)
+
+    @staticmethod
+    def describe(
+        partition: int | None, signal: str | None, exit_code: int | None, report: str
+    ) -> str:
+        who = "a subtask" if partition is None else f"partition {partition}"
+        how = f" of {signal}" if signal else ""
+        if exit_code is not None:
+            how += f" (exit code {exit_code})"
+        return f"the Spark Python worker running {who} died{how}; Spark said {report!r}"
+
+    def __reduce__(self):
+        return (
+            WorkerDiedError,
+            (
+                self.message,
+                self.failures,
+                self.partition,
+                self.signal,
+                self.exit_code,
+                self.report,
+                self.spark_message,
+            ),
+        )
+
+
+class ModelExistsError(HybridIterError, FileExistsError):
+    """``model.save(path)`` where a saved model already is; also a ``FileExistsError``."""
+
+
+class ModelNotFoundError(HybridIterError, FileNotFoundError):
+    """``Model.load(path)`` of a path that holds no saved model; also a
+    ``FileNotFoundError``."""

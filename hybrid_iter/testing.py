@@ -11,6 +11,7 @@ hooks=...)``); the actions live here::
     config = hi.IterationConfig(hooks=FaultInjection(kill_coordinator_at=14))
     online = hi.OnlineConfig(hooks=FaultInjection(kill_driver_after_batch=3))
     model = LogisticRegression(solver="sgd")._fit(df, hooks=Straggler(partition=1, factor=4))
+    model = KMeans(k=3)._fit(df, hooks=PauseWorker(directory=d, partition=1, at_epoch=2))
 
 Never use these in production: they end processes and sleep on purpose.
 """
@@ -33,9 +34,11 @@ __all__ = [
     "EXIT_CODE",
     "FaultInjection",
     "InjectedFault",
+    "PauseWorker",
     "RuntimeHooks",
     "Straggler",
     "lose_kept_arrays",
+    "pause_worker",
 ]
 
 #: the status a process ended by a ``FaultInjection`` exits with
@@ -113,6 +116,59 @@ class Straggler(RuntimeHooks):
     def after_epoch_compute(self, partition: int, seconds: float) -> None:
         if partition == self.partition:
             time.sleep((self.factor - 1.0) * seconds)
+
+
+def pause_worker(directory: str, *, pauses: int = 1, timeout: float = 300.0) -> int:
+    """Spark task: the handshake of a test that kills a Python worker from outside.
+
+    Records this process's pid in ``directory/pid-<n>`` (written whole, then renamed;
+    ``n`` counts the calls before it, so a relaunch writes the next one) and, for the
+    first ``pauses`` calls, waits there until the test kills the process, or until
+    ``directory/release-<n>`` appears; past ``timeout`` seconds it raises
+    ``InjectedFault`` (the test never killed it). Returns ``n``.
+    """
+    n = 0
+    while True:  # claim the next number: two tasks never take the same one
+        try:
+            os.close(os.open(os.path.join(directory, f"claim-{n}"), os.O_CREAT | os.O_EXCL))
+            break
+        except FileExistsError:
+            n += 1
+    tmp = os.path.join(directory, f".pid-{n}")
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(tmp, os.path.join(directory, f"pid-{n}"))
+    if n >= pauses:
+        return n
+    release = os.path.join(directory, f"release-{n}")
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(release):  # polls a file the test writes, bounded
+        if time.monotonic() > deadline:
+            raise InjectedFault(
+                f"pause_worker: pid {os.getpid()} waited {timeout:g} s in {directory} and was "
+                f"neither killed nor released"
+            )
+        time.sleep(0.02)
+    return n
+
+
+@dataclass(frozen=True, kw_only=True)
+class PauseWorker(RuntimeHooks):
+    """Subtask ``partition`` stops right before its watermark callbacks of epoch
+    ``at_epoch`` in ``pause_worker(directory, pauses=...)``: mid-run, its Python
+    worker's pid in a file, for a test to kill from outside. Every launch records
+    its pid (the count of ``pid-*`` files is the count of launches); the first
+    ``pauses`` wait."""
+
+    directory: str
+    partition: int = 0
+    at_epoch: int = 1
+    pauses: int = 1
+    timeout: float = 300.0
+
+    def before_watermark(self, partition: int, epoch: int, attempt: int) -> None:
+        if (partition, epoch) == (self.partition, self.at_epoch):
+            pause_worker(self.directory, pauses=self.pauses, timeout=self.timeout)
 
 
 @contextlib.contextmanager

@@ -16,10 +16,11 @@ One folder per capability; this module re-exports each one's public surface:
 * ``_hadoop.py``: ``require_spark_filesystem``, whether Spark's Hadoop can open a
   storage location (asked through the JVM before a query starts).
 
-Every error raised on purpose derives from ``SparkOpsError`` (the tree: ``_errors``).
+Every error raised on purpose derives from ``SparkOpsError`` (the tree: ``_errors``); a
+user function that raises in a Spark task makes the action raise ``UserFunctionError``.
 """
 
-from ._errors import SparkOpsConfigError, SparkOpsError, SparkOpsIndexError
+from ._errors import SparkOpsConfigError, SparkOpsError, SparkOpsIndexError, UserFunctionError
 from ._hadoop import require_spark_filesystem
 from .aggregate import AggregateFunction
 from .full_partition import (
@@ -38,6 +39,7 @@ from .iteration import (
     ColumnChunks,
     NumpyCache,
     ReplayPlan,
+    WorkerDeath,
     available_task_slots,
     cached_source,
     column_to_numpy,
@@ -45,6 +47,8 @@ from .iteration import (
     is_numeric_arrow_type,
     num_partitions,
     persisted_rdd_ids,
+    python_worker_death,
+    spark_error_text,
 )
 from .local_agg import (
     LocalAggMetrics,
@@ -118,6 +122,8 @@ __all__ = [
     "SparkOpsConfigError",
     "SparkOpsError",
     "SparkOpsIndexError",
+    "UserFunctionError",
+    "WorkerDeath",
     "available_task_slots",
     "cached_source",
     "column_to_numpy",
@@ -130,7 +136,9 @@ __all__ = [
     "local_key_by",
     "num_partitions",
     "persisted_rdd_ids",
+    "python_worker_death",
     "redistribute",
     "require_spark_filesystem",
+    "spark_error_text",
     "with_side_inputs",
 ]

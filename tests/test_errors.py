@@ -63,6 +63,9 @@ def test_the_root_is_the_same_class_in_both_packages():
         (hi.SessionError, RuntimeError),
         (hi.StoredArraysLost, RuntimeError),
         (hi.IterationFailedError, RuntimeError),
+        (hi.WorkerDiedError, hi.IterationFailedError),
+        (hi.ModelExistsError, FileExistsError),
+        (hi.ModelNotFoundError, FileNotFoundError),
         (hi.UsageError, RuntimeError),
         (hi.VariablesMismatchError, ValueError),
         (hi.OnlineCheckpointError, RuntimeError),
@@ -106,6 +109,45 @@ def test_errors_pickle():
                 continue  # a constructor with other arguments; covered where it is raised
         back = pickle.loads(pickle.dumps(err))
         assert type(back) is cls and str(back) == str(err)
+
+
+def test_a_dead_worker_error_pickles_with_its_fields_and_says_which_partition():
+    failure = hi.RemoteFailure(1, None, "its Spark Python worker", "WorkerDied", "crashed", "")
+    err = hi.WorkerDiedError("m", {1: failure}, 1, "SIGSEGV", None, "crashed", "JVM trace")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is hi.WorkerDiedError and str(back) == str(err)
+    assert (back.partition, back.signal, back.report, back.spark_message) == (
+        1,
+        "SIGSEGV",
+        "crashed",
+        "JVM trace",
+    )
+    assert list(back.failures) == [1]
+    assert (
+        back.what
+        == "the Spark Python worker running partition 1 died of SIGSEGV; Spark said 'crashed'"
+    )
+
+
+def test_a_user_function_error_is_spark_ops_and_pyspark_alike_and_pickles():
+    from pyspark.errors import PythonException
+
+    import spark_ops
+
+    assert hi.UserFunctionError is spark_ops.UserFunctionError
+    assert issubclass(hi.UserFunctionError, SparkOpsError)
+    assert issubclass(hi.UserFunctionError, PythonException)  # pyspark's handlers still catch it
+    err = hi.UserFunctionError(
+        "map_partition function 'f' failed in partition 1: KeyError: 'k'",
+        operation="map_partition",
+        function="f",
+        partition=1,
+        exception_type="builtins.KeyError",
+        exception_types=["builtins.KeyError", "builtins.LookupError", "builtins.Exception"],
+    )
+    back = pickle.loads(pickle.dumps(err))
+    assert str(back) == str(err) and back.partition == 1 and back.function == "f"
+    assert back.raised(LookupError) and back.raised("KeyError") and not back.raised(ValueError)
 
 
 def test_bad_arguments_of_ml_and_ps_are_config_errors():

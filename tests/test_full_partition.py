@@ -35,6 +35,8 @@ from spark_ops import (
     KeyedPartitionWindowedStream,
     Order,
     PartitionWindowedStream,
+    SparkOpsError,
+    UserFunctionError,
     full_window_partition,
     key_by,
 )
@@ -421,9 +423,137 @@ def test_keys_group_like_spark(spark):
 # -- failures of user code -----------------------------------------------------------------------
 
 
+def _failing_functions():
+    """A user's own exception class and one failing function per kind of operation, all
+    raising it for id 7 (partition 1, key 1). Shipped by value (see ``_worker_side``)."""
+
+    class NotSeven(ValueError):
+        pass
+
+    def map_fn(rows):
+        for r in rows:
+            if r.id == 7:
+                raise NotSeven(f"no seven ({r.id})")
+            yield (r.id,)
+
+    def sort_key(row):
+        if row.id == 7:
+            raise NotSeven("no seven as a key")
+        return row.id
+
+    def pick(a, b):
+        if 7 in (a.id, b.id):
+            raise NotSeven("no seven to reduce")
+        return a
+
+    class Summing(AggregateFunction):
+        def create_accumulator(self):
+            return [0]
+
+        def add(self, value, accumulator):
+            if value.id == 7:
+                raise NotSeven("no seven to add")
+            accumulator[0] += 1
+            return accumulator
+
+        def get_result(self, accumulator):
+            return (accumulator[0],)
+
+        def merge(self, a, b):
+            return [a[0] + b[0]]
+
+    class OpensBadly:
+        def open(self, ctx):
+            if ctx.partition_id == 1:
+                raise NotSeven("cannot open partition 1")
+
+        def __call__(self, rows):
+            for r in rows:
+                yield (r.id,)
+
+    return NotSeven, map_fn, sort_key, pick, Summing, OpensBadly
+
+
+NotSeven, map_fn, sort_key, pick, Summing, OpensBadly = _failing_functions()
+
+#: (operation, (partition, key) named, the failing DataFrame); id 7 is in partition 1,
+#: key 1 (in whichever partition the key's shuffle puts it; a sort key function runs
+#: before the sort, on no key)
+EVERY_USER_FUNCTION = [
+    (
+        "map_partition",
+        (1, None),
+        lambda df: full_window_partition(df).map_partition(map_fn, "id long"),
+    ),
+    (
+        "map_partition",
+        (None, "1"),
+        lambda df: key_by(df, "k").full_window_partition().map_partition(map_fn, "id long"),
+    ),
+    ("sort_partition", (1, None), lambda df: full_window_partition(df).sort_partition(sort_key)),
+    (
+        "sort_partition",
+        (None, None),
+        lambda df: key_by(df, "k").full_window_partition().sort_partition(sort_key),
+    ),
+    ("aggregate", (1, None), lambda df: full_window_partition(df).aggregate(Summing(), "n long")),
+    (
+        "aggregate",
+        (None, "1"),
+        lambda df: key_by(df, "k").full_window_partition().aggregate(Summing(), "n long"),
+    ),
+    ("reduce", (1, None), lambda df: full_window_partition(df).reduce(pick)),
+    ("reduce", (None, "1"), lambda df: key_by(df, "k").full_window_partition().reduce(pick)),
+    (
+        "map_partition",
+        (1, None),
+        lambda df: full_window_partition(df).map_partition(OpensBadly(), "id long"),
+    ),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "op, where, build",
+    EVERY_USER_FUNCTION,
+    ids=[
+        "map_partition",
+        "keyed-map_partition",
+        "sort_partition-key",
+        "keyed-sort_partition-key",
+        "aggregate",
+        "keyed-aggregate",
+        "reduce",
+        "keyed-reduce",
+        "open",
+    ],
+)
+def test_every_user_function_that_raises_is_a_spark_ops_error_naming_its_exception(
+    df, op, where, build
+):
+    from pyspark.errors import PythonException
+
+    with pytest.raises(SparkOpsError) as info:
+        build(df).collect()
+    err = info.value
+    assert isinstance(err, UserFunctionError) and isinstance(err, PythonException)
+    assert err.operation.endswith(op), err.operation
+    partition, key = where
+    assert err.partition == partition or (partition is None and isinstance(err.partition, int))
+    assert err.key == key, err.key
+    assert err.raised(NotSeven) and err.raised(ValueError) and not err.raised(KeyError)
+    assert err.exception_type.endswith("NotSeven")
+    assert err.exception_message.startswith(("no seven", "cannot open"))
+    assert f"{op} function" in str(err) and "NotSeven" in str(err)
+    assert "Traceback" in err.traceback_text and "raise NotSeven" in str(err)  # the user's line
+    assert "spark_ops-user-function-failure" not in str(err)  # the line is read, not shown
+    assert "PythonException" not in str(err) and "\tat org.apache" not in str(err)
+    assert "Traceback (most recent call last)" in err.spark_message  # pyspark's whole text
+
+
 @pytest.mark.timeout(180)
 def test_a_failing_function_names_the_partition_and_keeps_the_traceback(df, many):
-    with pytest.raises(Exception) as info:
+    with pytest.raises(UserFunctionError) as info:
         full_window_partition(df).map_partition(boom_on_seven, "long").collect()
     text = str(info.value)
     assert "map_partition function 'boom_on_seven' failed in partition 1" in text
@@ -436,10 +566,11 @@ def test_a_failing_function_names_the_partition_and_keeps_the_traceback(df, many
                 raise KeyError("broken")
             return accumulator
 
-    with pytest.raises(Exception) as info:
+    with pytest.raises(UserFunctionError) as info:
         key_by(many, "k").full_window_partition().aggregate(Broken(), "n long, t double").collect()
     assert "aggregate function 'Broken' failed in partition" in str(info.value)
     assert "key 2:" in str(info.value)  # 500 % 3 == 2
+    assert info.value.key == "2" and info.value.raised(KeyError)
 
     with pytest.raises(Exception, match="returned None; it must return the accumulator"):
 

@@ -24,6 +24,8 @@ from spark_ops import (
     AggregateFunction,
     LocalAggMetrics,
     NonMergeableAggregateError,
+    SparkOpsError,
+    UserFunctionError,
     local_key_by,
 )
 from spark_ops.local_agg import _kernels as K
@@ -394,11 +396,40 @@ def test_empty_input_gives_an_empty_result(df):
     assert agg.metrics.rows_in == 0 and agg.metrics.partials_shuffled == 0
 
 
+class TooBig(ArithmeticError):
+    """A user's own exception class."""
+
+
+def refuse_big(a, b):
+    if a + b > 50:
+        raise TooBig(f"{a} + {b} is too big")
+    return a + b
+
+
 def test_a_failing_user_aggregate_names_the_operation(df):
-    with pytest.raises(Exception) as info:
+    with pytest.raises(UserFunctionError) as info:
         local_key_by(df, "k").aggregate(Boom(), "x", result_type="double").to_dict()
     text = str(info.value)
     assert "local_key_by('k').aggregate(Boom())" in text and "boom in user code" in text
+    err = info.value
+    assert err.operation == "local_key_by('k').aggregate(Boom())" and err.function == "Boom"
+    assert err.raised(ValueError) and isinstance(err.partition, int)
+    assert "raise ValueError" in err.traceback_text  # the user's line
+
+
+def test_a_failing_reduce_function_is_a_spark_ops_error_in_the_users_own_action(df):
+    from pyspark.errors import PythonException
+
+    out = local_key_by(df, "k").reduce(refuse_big, "v")
+    with pytest.raises(SparkOpsError) as info:
+        out.df.collect()  # the user's own action, not one spark_ops runs
+    err = info.value
+    assert isinstance(err, UserFunctionError) and isinstance(err, PythonException)
+    assert err.function == "refuse_big" and "reduce(refuse_big)" in err.operation
+    assert (
+        err.raised(TooBig) and err.raised(ArithmeticError) and err.exception_type.endswith("TooBig")
+    )
+    assert "is too big" in str(err) and "failed in the" in str(err)
 
 
 # -- the kernels ---------------------------------------------------------------------------

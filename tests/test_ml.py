@@ -264,7 +264,7 @@ def test_transform_keeps_the_schema_and_save_load_round_trips(spark, data, tmp_p
 
     path = str(tmp_path / "lr")
     model.save(path)
-    with pytest.raises(FileExistsError, match="overwrite=True"):
+    with pytest.raises(hi.ModelExistsError, match="overwrite=True"):
         model.save(path)
     model.save(f"file://{path}", overwrite=True)
     loaded = ml.LogisticRegressionModel.load(path)
@@ -275,7 +275,7 @@ def test_transform_keeps_the_schema_and_save_load_round_trips(spark, data, tmp_p
     assert [r.prediction for r in again] == [r.prediction for r in rows]
     with pytest.raises(ValueError, match="not a KMeansModel"):
         ml.KMeansModel.load(path)
-    with pytest.raises(FileNotFoundError, match="no saved model"):
+    with pytest.raises(hi.ModelNotFoundError, match="no saved model"):
         ml.Model.load(str(tmp_path / "nothing"))
 
 
@@ -466,6 +466,51 @@ def test_kmeans_model_saved_before_it_was_a_stage_still_loads(tmp_path):
         assert m.training_cost == 1.5 and m.iterations == 4 and not m.has_summary
         assert m.getInitMode() == "random" and m.value("prediction_col") == "p"
         assert m.predict_numpy(np.array([[0.9, 0.8], [0.1, 0.0]])).tolist() == [1, 0]
+
+
+def test_saving_over_a_model_or_loading_none_are_project_errors_naming_path_and_fix(
+    spark, tmp_path
+):
+    from hybrid_iter.ml._persist import write_model
+
+    params = {"features_col": ["a", "b"], "k": 2, "seed": 3, "num_features": 2}
+    first, second = np.array([[0.0, 0.0], [1.0, 1.0]]), np.array([[5.0, 5.0], [6.0, 6.0]])
+    write_model(str(tmp_path / "a"), "KMeansModel", params, {"centres": first})
+    write_model(str(tmp_path / "b"), "KMeansModel", params, {"centres": second})
+    old, new = ml.KMeansModel.load(str(tmp_path / "a")), ml.KMeansModel.load(str(tmp_path / "b"))
+    ours, sparks = str(tmp_path / "ours"), str(tmp_path / "spark")
+    old.save(ours)  # our format
+    old.write().save(sparks)  # Spark's (what a PipelineModel writes)
+    refused = [
+        (lambda: new.save(ours), ours, r"model\.save\(.*overwrite=True\)"),
+        (lambda: new.write().save(sparks), sparks, r"model\.write\(\)\.overwrite\(\)\.save"),
+        # across formats too: else Model.load would read the older model of the two
+        (lambda: new.write().save(ours), ours, r"model\.write\(\)\.overwrite\(\)\.save"),
+        (lambda: new.save(sparks), sparks, r"model\.save\(.*overwrite=True\)"),
+    ]
+    for save, path, fix in refused:
+        with pytest.raises(hi.ModelExistsError, match=fix) as info:
+            save()
+        assert isinstance(info.value, FileExistsError) and isinstance(
+            info.value, hi.HybridIterError
+        )
+        assert repr(path) in str(info.value)
+    for path in (ours, sparks):  # nothing was written over
+        np.testing.assert_array_equal(ml.Model.load(path).cluster_centers, first)
+    new.save(sparks, overwrite=True)
+    new.write().overwrite().save(ours)
+    for path in (ours, sparks):
+        np.testing.assert_array_equal(ml.Model.load(path).cluster_centers, second)
+
+    (tmp_path / "empty").mkdir()
+    for load, path in [
+        (lambda: ml.Model.load(str(tmp_path / "empty")), str(tmp_path / "empty")),
+        (lambda: ml.KMeansModel.load(str(tmp_path / "none")), str(tmp_path / "none")),
+        (lambda: ml.KMeansModel.read().load(str(tmp_path / "none")), str(tmp_path / "none")),
+    ]:
+        with pytest.raises(hi.ModelNotFoundError, match="holds no") as info:
+            load()
+        assert isinstance(info.value, FileNotFoundError) and repr(path) in str(info.value)
 
 
 def test_kmeans_init_gives_every_separated_cluster_a_centre():

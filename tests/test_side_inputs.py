@@ -27,6 +27,8 @@ from spark_ops import (
     SideInputKeyError,
     SideInputValueError,
     SingletonSideInput,
+    SparkOpsError,
+    UserFunctionError,
     with_side_inputs,
 )
 from spark_ops.side_inputs._content import VersionApplier, match_window
@@ -526,8 +528,12 @@ def test_a_function_failure_names_the_function_and_partition(spark, main, dims):
         raise KeyError("boom")
 
     out = with_side_inputs(main, seg).map(explode, "v long")
-    with pytest.raises(Exception, match=r"map function .*explode failed in partition \d"):
+    with pytest.raises(UserFunctionError, match=r"map function .*explode failed in partition \d"):
         out.collect()
+    with pytest.raises(SparkOpsError) as info:  # a spark_ops error, in any action
+        out.count()
+    assert info.value.raised(KeyError) and info.value.function.endswith("explode")
+    assert isinstance(info.value.partition, int) and "raise KeyError" in info.value.traceback_text
 
 
 def test_records_that_do_not_fit_the_schema_name_the_function():

@@ -24,6 +24,7 @@ from spark_ops import (
     SideInputNotReadyError,
     SideInputValueError,
     SingletonSideInput,
+    UserFunctionError,
     with_side_inputs,
 )
 
@@ -212,6 +213,36 @@ def test_a_side_input_that_never_becomes_ready_times_out(spark, src):
         assert info.value.views == ("limit",) and info.value.waited > 0.5
         assert "1 main record(s) are waiting" in str(info.value)
         assert not q.is_active
+    finally:
+        q.stop()
+
+
+def test_a_function_that_raises_in_a_micro_batch_fails_the_query_with_a_spark_ops_error(src):
+    class OverLimit(ValueError):
+        """A user's own exception class (shipped by value: defined in the test)."""
+
+    main = src.stream("main", "user_id long")
+    limit = SingletonSideInput(src.stream("limit", "value double"), "value", name="limit")
+
+    def check(row, ctx):
+        if row.user_id > ctx.side_input(limit):
+            raise OverLimit(f"user {row.user_id} is over the limit")
+        return (row.user_id,)
+
+    q = (
+        with_side_inputs(main, limit)
+        .map(check, "user_id long")
+        .start(foreach_batch=collect_into([]))
+    )
+    try:
+        src.put("limit", [{"value": 1.0}])
+        q.process_all_available()
+        src.put("main", [{"user_id": 5}])
+        with pytest.raises(UserFunctionError) as info:
+            q.process_all_available()
+        err = info.value
+        assert err.function.endswith("check") and err.operation == "map"
+        assert err.raised(OverLimit) and "user 5 is over the limit" in str(err)
     finally:
         q.stop()
 

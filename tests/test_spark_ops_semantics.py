@@ -95,10 +95,11 @@ def test_keyed_views_are_scoped_to_the_record_key_whatever_the_partitions(spark)
     def other_key(row, ctx):
         return (row.user_id, ctx.side_input("seg").get(row.user_id + 1))
 
-    with pytest.raises(Exception, match=r"SideInputScopeError.*broadcast view"):
+    with pytest.raises(so.UserFunctionError, match=r"SideInputScopeError.*broadcast view") as info:
         with_side_inputs(main, seg, key="user_id", num_partitions=2).map(
             other_key, "user_id long, seg string"
         ).collect()
+    assert info.value.raised(so.SideInputScopeError) and info.value.raised(LookupError)
 
 
 # -- 7. rich functions: open(ctx) / close() once per partition ------------------------------

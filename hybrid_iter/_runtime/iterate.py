@@ -47,6 +47,8 @@ from spark_ops import (
     available_task_slots,
     exact_num_partitions,
     num_partitions,
+    python_worker_death,
+    spark_error_text,
 )
 
 from .._body import IterationBody
@@ -60,6 +62,7 @@ from .._errors import (
     StoredArraysLost,
     UsageError,
     VariablesMismatchError,
+    WorkerDiedError,
 )
 from .._result import IterationResult
 from .._session import Session
@@ -202,6 +205,39 @@ def _raise_failures(failures: list[RemoteFailure], spark_error: BaseException | 
         by_source.setdefault(f.source, f)
     raise IterationFailedError(f"the iteration failed: {primary}", by_source) from (
         spark_error or primary
+    )
+
+
+def _worker_died(error: BaseException) -> WorkerDiedError | None:
+    """``error`` of a failed Spark stage as a ``WorkerDiedError`` when it reports a
+    Python worker that died under a subtask (no exception of user code), else None.
+    Spark's whole report stays reachable: ``spark_message``, and the caller chains the
+    Spark error as the cause."""
+    text = spark_error_text(error)
+    death = python_worker_death(text)
+    if death is None:
+        return None
+    what = WorkerDiedError.describe(death.partition, death.signal, death.exit_code, death.report)
+    message = (
+        f"the iteration failed: {what}. No Python exception was raised: the process was "
+        f"killed (from outside, by the out-of-memory killer or a container limit) or "
+        f"crashed in native code. If it recurs, give the executors more memory "
+        f"(spark.executor.memory, spark.executor.pyspark.memory) and read the executor's "
+        f"log; Spark's full report is the error's spark_message"
+    )
+    failures: dict[int | str, BaseException] = {}
+    if death.partition is not None:
+        failures[death.partition] = RemoteFailure(
+            death.partition, None, "its Spark Python worker", "WorkerDied", death.report, ""
+        )
+    return WorkerDiedError(
+        message,
+        failures,
+        death.partition,
+        death.signal,
+        death.exit_code,
+        death.report,
+        text,
     )
 
 
@@ -892,6 +928,9 @@ class _Monitor:
         if data.failures:
             _raise_failures(data.failures, self.error)
         if self.error is not None:
+            died = _worker_died(self.error)
+            if died is not None:
+                raise died from self.error
             raise IterationFailedError(
                 f"the Spark stage of the iteration failed: {self.error}", {}
             ) from self.error

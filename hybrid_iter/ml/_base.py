@@ -4,19 +4,26 @@ and the model base class with ``save``/``load``. Runs on the driver.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
+from coordinator import RuntimeHooks
 from spark_ops import available_task_slots
 
 from .._body import IterationBody
 from .._config import IterationConfig
-from .._errors import IterationConfigError, IterationFailedError, StoredArraysLost
+from .._errors import (
+    IterationConfigError,
+    IterationFailedError,
+    StoredArraysLost,
+    WorkerDiedError,
+)
 from .._result import IterationResult
 from .._runtime.array_store import forget, plan_reuse
 from .._runtime.iterate import iterate_bounded_streams_until_termination
@@ -34,12 +41,15 @@ __all__ = [
     "check_mode",
     "check_number",
     "check_optional_column",
+    "relaunch_if_worker_died",
     "run_iteration",
     "run_with_array_cache",
     "with_array_cache",
 ]
 
 MODES = ("sync", "async", "ssp")
+
+T = TypeVar("T")
 
 
 def _where(owner: str, name: str) -> str:
@@ -164,10 +174,12 @@ def run_iteration(
     name: str,
     progress_tag: str = "loss",
     max_epochs: int | None = None,
+    hooks: RuntimeHooks | None = None,
 ) -> IterationResult:
     """One iteration over the plan's columns of ``df`` (read once into each subtask);
     with ``plan.stored`` reading, over a stand-in of one row per partition (the tasks
-    read their arrays from the array cache, ``with_array_cache``)."""
+    read their arrays from the array cache, ``with_array_cache``). ``hooks``: test
+    hooks (``hybrid_iter.testing``) at the runtime's hook points."""
     if plan.stored is not None and plan.stored.read:
         n = plan.stored.num_partitions
         stream = DataStream(_stand_in(df.sparkSession, n))
@@ -181,6 +193,7 @@ def run_iteration(
         name=name,
         progress_tag=progress_tag,
         max_epochs=max_epochs,
+        hooks=hooks,
     )
     return iterate_bounded_streams_until_termination(
         init, ReplayableDataStreamList.not_replay(stream), config, body
@@ -216,6 +229,30 @@ def _stored_arrays_lost(ex: BaseException) -> BaseException | None:
     return None
 
 
+def relaunch_if_worker_died(owner: str, run: Callable[[], T]) -> T:
+    """``run()``, once more when a Spark Python worker died under it
+    (``WorkerDiedError``: killed, out of memory; no exception of user code). A fit is a
+    function of its data and parameters, so the relaunch gives the same model (bit for
+    bit in sync mode); a second death fails naming the partition."""
+    try:
+        return run()
+    except WorkerDiedError as first:
+        warnings.warn(f"{owner}: {first.what}; relaunching the fit once", UserWarning, stacklevel=3)
+    try:
+        return run()
+    except WorkerDiedError as again:
+        raise WorkerDiedError(
+            f"{owner} failed: a Spark Python worker died, the fit was relaunched once and a "
+            f"worker died again; {again.message.removeprefix('the iteration failed: ')}",
+            again.failures,
+            again.partition,
+            again.signal,
+            again.exit_code,
+            again.report,
+            again.spark_message,
+        ) from again
+
+
 def run_with_array_cache(
     owner: str,
     df: Any,
@@ -228,21 +265,26 @@ def run_with_array_cache(
     """``run_iteration`` of the body ``build(plan)`` gives for the array cache's plan
     (``with_array_cache``), and where the data came from: ``"array cache"`` or
     ``"spark"``. Arrays found gone mid-fit (``StoredArraysLost``: the store actor or a
-    node lost) cost one warning and a rerun from Spark, never the fit."""
+    node lost) cost one warning and a rerun from Spark, never the fit; a Python worker
+    that died costs one relaunch (``relaunch_if_worker_died``)."""
     reuse = True
     while True:
         run_plan = with_array_cache(df, plan, parallelism) if reuse else plan
         init, body = build(run_plan)
         stored = run_plan.stored
         try:
-            result = run_iteration(
-                df,
-                run_plan,
-                init,
-                body,
-                # the subtasks the cache was planned for, whatever the slots are now
-                parallelism=stored.num_partitions if stored is not None else parallelism,
-                **kwargs,
+            result = relaunch_if_worker_died(
+                owner,
+                functools.partial(
+                    run_iteration,
+                    df,
+                    run_plan,
+                    init,
+                    body,
+                    # the subtasks the cache was planned for, whatever the slots are now
+                    parallelism=stored.num_partitions if stored is not None else parallelism,
+                    **kwargs,
+                ),
             )
         except IterationFailedError as ex:
             lost = _stored_arrays_lost(ex) if stored is not None else None

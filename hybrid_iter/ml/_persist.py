@@ -18,9 +18,9 @@ import numpy as np
 
 import storage_uri
 
-from .._errors import IterationConfigError
+from .._errors import IterationConfigError, ModelExistsError, ModelNotFoundError
 
-__all__ = ["data_dir", "read_model", "spark_layout", "write_model"]
+__all__ = ["data_dir", "read_model", "saved_layout", "spark_layout", "write_model"]
 
 FORMAT = "hybrid_iter.ml"
 FORMAT_VERSION = 1
@@ -55,11 +55,17 @@ def write_model(
 
     fs, root = _filesystem(path)
     meta_path = f"{root}/{_META}"
+    if not overwrite and spark_layout(path):
+        raise ModelExistsError(
+            f"{path!r} already holds a model written by model.write().save(path); replace it "
+            f"with model.save({path!r}, overwrite=True), or choose another path"
+        )
     if fs.get_file_info(meta_path).type != pafs.FileType.NotFound:
         if not overwrite:
-            raise FileExistsError(
-                f"{path!r} already holds a saved model; pass overwrite=True to replace it, "
-                f"or choose another path"
+            raise ModelExistsError(
+                f"{path!r} already holds a saved model; replace it with "
+                f"model.save({path!r}, overwrite=True) (or model.write().overwrite().save(...) "
+                f"as in pyspark.ml), or choose another path"
             )
         fs.delete_file(meta_path)  # a crash below leaves "no model", never a mixed one
     fs.create_dir(root, recursive=True)
@@ -81,15 +87,24 @@ def write_model(
     return root
 
 
-def spark_layout(path: str) -> bool:
-    """Whether ``path`` holds a model written by ``model.write().save(path)`` (Spark's
-    metadata, our format under ``path/data``) rather than by ``model.save(path)``."""
+def saved_layout(path: str) -> str | None:
+    """What ``path`` holds: ``"ours"`` (``model.save(path)``), ``"spark"``
+    (``model.write().save(path)``: Spark's metadata, our format under ``path/data``), or
+    None (no model)."""
     import pyarrow.fs as pafs
 
     fs, root = _filesystem(path)
     if fs.get_file_info(f"{root}/{_META}").type != pafs.FileType.NotFound:
-        return False
-    return fs.get_file_info(f"{root}/data/{_META}").type != pafs.FileType.NotFound
+        return "ours"
+    if fs.get_file_info(f"{root}/data/{_META}").type != pafs.FileType.NotFound:
+        return "spark"
+    return None
+
+
+def spark_layout(path: str) -> bool:
+    """Whether ``path`` holds a model written by ``model.write().save(path)`` rather than
+    by ``model.save(path)``."""
+    return saved_layout(path) == "spark"
 
 
 def read_model(path: str) -> tuple[str, dict[str, Any], dict[str, np.ndarray]]:
@@ -99,9 +114,10 @@ def read_model(path: str) -> tuple[str, dict[str, Any], dict[str, np.ndarray]]:
     fs, root = _filesystem(path)
     meta_path = f"{root}/{_META}"
     if fs.get_file_info(meta_path).type == pafs.FileType.NotFound:
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             f"{path!r} holds no saved model ({_META} is missing): a wrong path, or a save "
-            f"that did not finish"
+            f"that did not finish; pass the directory model.save(path) or "
+            f"model.write().save(path) wrote"
         )
     with fs.open_input_stream(meta_path) as f:
         meta = json.loads(f.read().decode())

@@ -42,7 +42,7 @@ from pyspark.ml.util import (
     MLWriter,
 )
 
-from .._errors import IterationConfigError
+from .._errors import IterationConfigError, ModelExistsError, ModelNotFoundError
 from ._base import Model, check_features_col, check_int, check_number, check_progress
 
 __all__ = [
@@ -209,9 +209,25 @@ class StageModelWriter(MLWriter):
         self.instance = instance
 
     def saveImpl(self, path: str) -> None:
-        from ._persist import data_dir, write_model
+        from ._persist import data_dir, saved_layout, write_model
 
-        DefaultParamsWriter.saveMetadata(self.instance, path, self.sc)
+        # ``write().overwrite()`` has emptied ``path`` by now (pyspark's MLWriter.save);
+        # a model ``save`` wrote there would otherwise be the one ``Model.load`` reads
+        if saved_layout(path) == "ours":
+            raise ModelExistsError(
+                f"{path!r} already holds a model saved by model.save(path); replace it with "
+                f"model.write().overwrite().save({path!r}), or choose another path"
+            )
+        try:
+            DefaultParamsWriter.saveMetadata(self.instance, path, self.sc)
+        except Exception as ex:
+            if "already exists" not in str(ex):
+                raise
+            raise ModelExistsError(
+                f"{path!r} already holds a saved model; replace it with "
+                f"model.write().overwrite().save({path!r}) (as in pyspark.ml), or choose "
+                f"another path"
+            ) from ex
         write_model(
             data_dir(path),
             type(self.instance).__name__,
@@ -231,7 +247,16 @@ class StageModelReader(MLReader):
     def load(self, path: str) -> Any:
         from ._persist import data_dir, read_model
 
-        metadata = DefaultParamsReader.loadMetadata(path, self.sc)
+        try:
+            metadata = DefaultParamsReader.loadMetadata(path, self.sc)
+        except Exception as ex:
+            if "does not exist" not in str(ex):
+                raise
+            raise ModelNotFoundError(
+                f"{path!r} holds no model written by model.write().save(path) (Spark's "
+                f"metadata is missing): a wrong path, or a save that did not finish; a model "
+                f"saved by model.save(path) loads with {self.cls.__name__}.load(path)"
+            ) from ex
         _, _, arrays = read_model(data_dir(path))
         model = self.cls._from_arrays(arrays)
         model._resetUid(metadata["uid"])

@@ -162,6 +162,7 @@ class KMeans(StageEstimator):
             progress=v("progress"),
             name=owner,
             progress_tag="cost",
+            hooks=hooks,
         )
         costs = [float(c) for c in result.outputs.get("cost", [])]
         shifts = result.outputs.get("shift", [])

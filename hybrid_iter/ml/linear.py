@@ -44,6 +44,7 @@ from ._base import (
     check_features_col,
     check_mode,
     check_optional_column,
+    relaunch_if_worker_died,
     run_iteration,
     run_with_array_cache,
 )
@@ -248,15 +249,20 @@ def _fit_sgd(
         feedback_combine=SGDCombiner() if staleness == 0 else None,
     )
     t = time.perf_counter()
-    result = run_iteration(
-        df,
-        plan,
-        init,
-        body,
-        staleness=staleness,
-        parallelism=v("parallelism"),
-        progress=v("progress"),
-        name=f"{owner}[{v('mode')}]",
+    result = relaunch_if_worker_died(
+        owner,
+        functools.partial(
+            run_iteration,
+            df,
+            plan,
+            init,
+            body,
+            staleness=staleness,
+            parallelism=v("parallelism"),
+            progress=v("progress"),
+            name=f"{owner}[{v('mode')}]",
+            hooks=hooks,
+        ),
     )
     losses = [float(x) for x in result.outputs.get("loss", [])]
     summary = TrainingSummary(
@@ -289,7 +295,7 @@ def _num_classes(df: Any, label: str) -> int:
 
 
 def _fit_glm(
-    est: Any, df: Any, plan: FeaturePlan, *, family: str
+    est: Any, df: Any, plan: FeaturePlan, *, family: str, hooks: RuntimeHooks | None = None
 ) -> tuple[np.ndarray, np.ndarray, Any, TrainingSummary]:
     owner = type(est).__name__
     v = est.value
@@ -356,6 +362,7 @@ def _fit_glm(
             progress_tag="objective",
             # a safety net only: the optimizer stops itself (<= 30 trials per iteration)
             max_epochs=2 + 31 * (spec.max_iter + 1),
+            hooks=hooks,
         )
         more = result.outputs.get("classes")
         if not more:
@@ -410,9 +417,9 @@ class _LinearEstimator(StageEstimator):
     ) -> tuple[np.ndarray, np.ndarray, Any, Any]:
         """``(coefficient matrix, intercepts, IterationResult, summary)`` by the chosen
         solver: SGD on the iteration runtime, or the GLM operators (L-BFGS / OWL-QN /
-        normal equations). ``hooks`` and ``trace_weights`` serve the benchmarks (SGD
-        only): ``hybrid_iter.testing.Straggler`` slows one subtask; ``trace_weights``
-        outputs every version with its time."""
+        normal equations). ``hooks`` serve tests and benchmarks: the runtime's hook
+        points (``hybrid_iter.testing``), and ``Straggler`` slows one subtask (SGD);
+        ``trace_weights`` outputs every version with its time (SGD)."""
         plan = _prepare(self, dataset)
         if self.value("solver") == "sgd":
             if family == "multinomial":
@@ -428,7 +435,7 @@ class _LinearEstimator(StageEstimator):
                 hooks=hooks,
                 trace_weights=trace_weights,
             )
-        return _fit_glm(self, dataset, plan, family=family)
+        return _fit_glm(self, dataset, plan, family=family, hooks=hooks)
 
 
 class LogisticRegression(_LinearEstimator):

@@ -41,14 +41,26 @@ from coordinator._variables import fetch_all
 
 from .._body import IterationBody
 from .._config import IterationConfig
-from .._errors import ConfigTypeError, HybridIterError, IterationConfigError, IterationFailedError
+from .._errors import (
+    ConfigTypeError,
+    HybridIterError,
+    IterationConfigError,
+    IterationFailedError,
+    WorkerDiedError,
+)
 from .._operators import CoordinatorOperator, PartitionOperator
 from .._result import IterationResult
 from .._runtime.iterate import iterate_bounded_streams_until_termination
 from .._runtime.placement import actor_class, kill, launch
 from .._runtime.ray_util import NAMESPACE
 from .._streams import DataStream, ReplayableDataStreamList
-from ..ml._base import check_dataframe, check_int, check_mode, check_progress
+from ..ml._base import (
+    check_dataframe,
+    check_int,
+    check_mode,
+    check_progress,
+    relaunch_if_worker_died,
+)
 from ..ml._features import VECTOR, ColumnCache, column_kind, resolve_features
 from ..ml._sgd import DIVERGENCE_PATIENCE, LossWatch
 from ._layout import Layout
@@ -505,49 +517,56 @@ def train(
     connect(_ray_address(df.sparkSession), namespace=NAMESPACE)
     import ray
 
-    shards: list[Any] = []
-    try:
-        shard_names, shards = launch_shards(
-            flat, bounds, optimizer, num_workers=n, sync=mode == "sync"
-        )
-        worker = _Worker(
-            grad_fn=grad_fn,
-            layout=layout,
-            columns=names,
-            vector_widths=widths,
-            shard_names=shard_names,
-            bounds=bounds,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            seed=seed,
-            optimizer=optimizer,
-            sync_shards=mode == "sync",
-        )
-        body = IterationBody(
-            partition=worker,
-            coordinator=_Epochs(epochs, tol, optimizer),
-            criteria=True if tol is not None else None,  # else epochs (max_epochs) ends it
-        )
-        scalar = [c for c in names if c not in widths and column_kind(_type(df, c)) == "scalar"]
-        stream = DataStream(df.select(*names), numeric_columns=tuple(scalar) or None)
-        config = IterationConfig(
-            staleness=iteration_staleness,
-            max_epochs=epochs,
-            parallelism=n,
-            progress=progress,
-            name=name or f"ps[{mode}]",
-        )
-        result = iterate_bounded_streams_until_termination(
-            {"epoch": 0}, ReplayableDataStreamList.not_replay(stream), config, body
-        )
-        values = ray.get([s.values.remote() for s in shards])
-        info = ray.get([s.info.remote() for s in shards])
-    except IterationFailedError as ex:
-        # what the shards applied before the failure is kept, not lost with them
-        failed = TrainFailedError(ex.message, ex.failures, _salvage(layout, shards))
-        raise failed.with_traceback(ex.__traceback__) from ex.__cause__
-    finally:
-        stop_shards(shards)
+    def run_once() -> tuple[IterationResult, list[Any], list[Any]]:
+        # new shards from ``init`` each launch: a relaunch never sees a failed one's updates
+        shards: list[Any] = []
+        try:
+            shard_names, shards = launch_shards(
+                flat, bounds, optimizer, num_workers=n, sync=mode == "sync"
+            )
+            worker = _Worker(
+                grad_fn=grad_fn,
+                layout=layout,
+                columns=names,
+                vector_widths=widths,
+                shard_names=shard_names,
+                bounds=bounds,
+                batch_size=batch_size,
+                shuffle=shuffle,
+                seed=seed,
+                optimizer=optimizer,
+                sync_shards=mode == "sync",
+            )
+            body = IterationBody(
+                partition=worker,
+                coordinator=_Epochs(epochs, tol, optimizer),
+                criteria=True if tol is not None else None,  # else epochs (max_epochs) ends it
+            )
+            scalar = [c for c in names if c not in widths and column_kind(_type(df, c)) == "scalar"]
+            stream = DataStream(df.select(*names), numeric_columns=tuple(scalar) or None)
+            config = IterationConfig(
+                staleness=iteration_staleness,
+                max_epochs=epochs,
+                parallelism=n,
+                progress=progress,
+                name=name or f"ps[{mode}]",
+            )
+            result = iterate_bounded_streams_until_termination(
+                {"epoch": 0}, ReplayableDataStreamList.not_replay(stream), config, body
+            )
+            values = ray.get([s.values.remote() for s in shards])
+            info = ray.get([s.info.remote() for s in shards])
+            return result, values, info
+        except WorkerDiedError:
+            raise  # relaunched from ``init`` below: nothing of this launch is kept
+        except IterationFailedError as ex:
+            # what the shards applied before the failure is kept, not lost with them
+            failed = TrainFailedError(ex.message, ex.failures, _salvage(layout, shards))
+            raise failed.with_traceback(ex.__traceback__) from ex.__cause__
+        finally:
+            stop_shards(shards)
+
+    result, values, info = relaunch_if_worker_died("ps.train", run_once)
     return TrainResult(_params(layout, values), result, info)
 
 

@@ -14,16 +14,14 @@ stream to the function like a partition's do.
 Any exception in user code (or in converting what it returned) is raised again as a
 ``PartitionFunctionError`` naming the operation, the function, the partition id and, for
 keyed operations, the key; the original exception and traceback are chained to it and
-their text is in its message, so the error Spark raises on the driver carries both.
+their text is in its message, with the failure line the driver turns into a
+``spark_ops.UserFunctionError`` (``_errors``).
 """
 
 from __future__ import annotations
 
-import os
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -31,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.types as pat
 
-from .._errors import SparkOpsError
+from .._errors import SparkOpsError, failure_line, user_traceback
 from ._keys import encode_keys
 from ._rows import RowReader, RowWriter, conform_batch
 
@@ -43,9 +41,9 @@ _MISSING = object()
 class PartitionFunctionError(SparkOpsError, RuntimeError):
     """User code of a full-partition operation failed in a Spark task.
 
-    Raised in the task; on the driver it arrives inside Spark's ``PythonException``,
-    whose message holds this one (operation, function, partition id, key) and the
-    user's traceback.
+    Raised in the task; on the driver the action raises ``spark_ops.UserFunctionError``
+    (a pyspark ``PythonException``) with the operation, function, partition id, key and
+    the user's traceback.
     """
 
 
@@ -96,27 +94,20 @@ class _Where:
         row = self.reader(first).rows(first.slice(0, 1))[0]
         return tuple(row[first.schema.get_field_index(c)] for c in columns)
 
+    def key_text(self) -> str | None:
+        if self.key is _MISSING:
+            return None
+        key = self.key[0] if len(self.key) == 1 else self.key
+        return f"{key!r:.200}"
+
     def describe(self) -> str:
         text = f"partition {self.partition}"
         if self.hook is not None:
             text += f" (its {self.hook}())"
-        if self.key is not _MISSING:
-            key = self.key[0] if len(self.key) == 1 else self.key
-            text += f", key {key!r:.200}"
+        key = self.key_text()
+        if key is not None:
+            text += f", key {key}"
         return text
-
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _user_frames(ex: BaseException) -> TracebackType | None:
-    """The traceback from the first frame outside this package (the user's code)."""
-    tb = ex.__traceback__
-    while (
-        tb is not None and os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == _HERE
-    ):
-        tb = tb.tb_next
-    return tb or ex.__traceback__
 
 
 @dataclass(frozen=True)
@@ -168,10 +159,22 @@ def run_task(
     except PartitionFunctionError:
         raise
     except Exception as ex:
-        detail = "".join(traceback.format_exception(type(ex), ex, _user_frames(ex))).rstrip()
-        raise PartitionFunctionError(
+        detail = user_traceback(ex)
+        headline = (
             f"{spec.op} function {spec.fn_name} failed in {where.describe()}: "
-            f"{type(ex).__name__}: {ex}\n--- the function's traceback:\n{detail}"
+            f"{type(ex).__name__}: {ex}"
+        )
+        line = failure_line(
+            headline,
+            ex,
+            operation=spec.op,
+            function=spec.fn_name.strip("'"),
+            partition=where.partition,
+            key=where.key_text(),
+            traceback_text=detail,
+        )
+        raise PartitionFunctionError(
+            f"{headline}\n--- the function's traceback:\n{detail}\n{line}"
         ) from ex
     finally:
         if opened and close is not None:

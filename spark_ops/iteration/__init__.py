@@ -1,7 +1,7 @@
 """The iteration plumbing on the Spark side: the barrier stage that runs every subtask
 of an iteration at once (``barrier``) and the Arrow -> numpy cache each subtask reads
-its data into once (``partition_cache``), and which cached RDD a DataFrame reads
-unchanged (``cached``)."""
+its data into once (``partition_cache``), which cached RDD a DataFrame reads
+unchanged (``cached``), and whether a failed job lost a Python worker (``failures``)."""
 
 from .barrier import (
     BarrierStage,
@@ -11,6 +11,7 @@ from .barrier import (
     num_partitions,
 )
 from .cached import CachedSource, cached_source, persisted_rdd_ids
+from .failures import WorkerDeath, python_worker_death, spark_error_text
 from .partition_cache import ColumnChunks, NumpyCache, column_to_numpy, is_numeric_arrow_type
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "ColumnChunks",
     "NumpyCache",
     "ReplayPlan",
+    "WorkerDeath",
     "available_task_slots",
     "cached_source",
     "column_to_numpy",
@@ -26,4 +28,6 @@ __all__ = [
     "is_numeric_arrow_type",
     "num_partitions",
     "persisted_rdd_ids",
+    "python_worker_death",
+    "spark_error_text",
 ]

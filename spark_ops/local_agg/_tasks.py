@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.accumulators import AccumulatorParam
 
+from .._errors import failure_line
 from ..aggregate import AggregateFunction
 from . import _kernels as K
 
@@ -190,11 +191,36 @@ def _partition_id() -> int:
     return ctx.partitionId() if ctx is not None else -1
 
 
+def _user_function(plan: Plan) -> str | None:
+    """The name of the user's code a phase of ``plan`` runs (None: built-ins only)."""
+    if plan.kind == "aggregate" and plan.op == "reduce":  # reduce(fn): fn in an aggregate
+        fn = getattr(plan.aggregate, "fn", None)
+        return str(getattr(fn, "__qualname__", None) or type(fn).__name__).rsplit(".", 1)[-1]
+    if plan.kind == "aggregate":
+        return type(plan.aggregate).__name__
+    if plan.kind == "ufunc":
+        return str(getattr(plan.ufunc, "__name__", None) or repr(plan.ufunc))
+    return None
+
+
 def _with_context(plan: Plan, phase: str, ex: Exception) -> Exception:
-    """Name the operation and the task in an error raised by user code."""
-    msg = f"{plan.what} failed in the {phase} phase (Spark partition {_partition_id()}): {ex}"
+    """Name the operation and the task in an error raised by user code; the error
+    keeps the user's type where it renders its message as given (else RuntimeError),
+    and carries the failure line the driver reads back (``UserFunctionError``)."""
+    pid = _partition_id()
+    msg = f"{plan.what} failed in the {phase} phase (Spark partition {pid}): {ex}"
+    function = _user_function(plan)
+    if function is not None:
+        headline = (
+            f"{plan.what} failed in the {phase} phase (Spark partition {pid}): "
+            f"{type(ex).__name__}: {ex}"
+        )
+        line = failure_line(headline, ex, operation=plan.what, function=function, partition=pid)
+        msg = f"{msg}\n{line}"
     try:
         wrapped = type(ex)(msg)
+        if str(wrapped) != msg:  # KeyError quotes its message: the line must stay intact
+            wrapped = RuntimeError(msg)
     except Exception:
         wrapped = RuntimeError(msg)
     return wrapped

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .._errors import failure_line
 from ..full_partition._rows import RowWriter
 from ._content import (
     FastRowReader,
@@ -105,12 +106,25 @@ def _bound_rows(
 
 
 def _call_failed(plan: OpPlan, ctx: SideInputContext, ex: Exception) -> Exception:
-    if isinstance(ex, SideInputError):
-        return ex
-    return RuntimeError(
+    """The error the task raises for ``ex`` from the user's function, with the failure
+    line the driver reads back (``spark_ops.UserFunctionError``). A ``SideInputError``
+    (the function asked a view for what it cannot give) keeps its type in the task."""
+    key = None if ctx.key is None else f"{ctx.key!r:.200}"
+    headline = (
         f"{plan.op} function {plan.fn_name} failed in partition {ctx.partition_id} "
-        f"(key {ctx.key!r}): {type(ex).__name__}: {ex}"
+        f"(key {ctx.key!r:.200}): {type(ex).__name__}: {ex}"
     )
+    line = failure_line(
+        headline, ex, operation=plan.op, function=plan.fn_name, partition=ctx.partition_id, key=key
+    )
+    if isinstance(ex, SideInputError):
+        try:
+            wrapped = type(ex)(f"{ex}\n{line}")
+            if str(wrapped) == f"{ex}\n{line}":
+                return wrapped
+        except Exception:
+            pass
+    return RuntimeError(f"{headline}\n{line}")
 
 
 def run_op(
