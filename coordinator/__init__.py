@@ -36,6 +36,7 @@ from ._errors import (
     IterationConfigError,
     RemoteFailure,
     UsageError,
+    ValueEncodeError,
     VariablesMismatchError,
 )
 from ._hooks import RuntimeHooks
@@ -79,6 +80,7 @@ __all__ = [
     "TerminationReason",
     "UnpicklableOperator",
     "UsageError",
+    "ValueEncodeError",
     "VariableSpec",
     "VariablesMismatchError",
     "VariablesPayload",

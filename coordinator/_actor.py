@@ -26,6 +26,7 @@ from ._checkpoint import (
     damaged_since,
     dumps_state,
     fingerprint_mismatch,
+    first_unpicklable,
     previous_checkpoint_key,
 )
 from ._cut import Cut, CutProtocol
@@ -34,6 +35,7 @@ from ._errors import (
     CheckpointError,
     FeedbackShapeMismatch,
     RemoteFailure,
+    ValueEncodeError,
     VariablesMismatchError,
 )
 from ._hooks import RuntimeHooks
@@ -654,6 +656,28 @@ class IterationCoordinator:
             subtask_epochs=tuple(max(c, 0) for c in self.sm.last_call),
             rows=sum(self._rows),
             checkpointed=self._checkpointed,
+        )
+
+    def unpicklable_output(self) -> RemoteFailure | None:
+        """Why ``result()`` could not reach the driver: the first output record that does
+        not pickle, named (None when every one does). Asked only after that failed."""
+        found = first_unpicklable(self._outputs, "the output records")
+        if found is None:
+            return None
+        record, what = found
+        error = ValueEncodeError(
+            f"{what}; the result cannot be sent to the driver. Emit with out.output only "
+            f"what pickles: numbers, strings, numpy arrays, and containers and objects of "
+            f"them (drop or convert the part named, e.g. a lock, an open file, a client)"
+        )
+        return RemoteFailure(
+            record.source,
+            record.epoch,
+            "sending the result to the driver",
+            type(error).__name__,
+            str(error),
+            "",
+            error,
         )
 
     def result(self) -> ResultData:

@@ -58,7 +58,7 @@ import secrets
 import struct
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -84,6 +84,7 @@ __all__ = [
     "describe_value",
     "dumps_state",
     "fingerprint_mismatch",
+    "first_unpicklable",
     "key_id",
     "list_names",
     "open_filesystem",
@@ -332,6 +333,19 @@ def _unencodable(obj: Any, ex: BaseException, top: str, fix: str) -> CheckpointE
     return CheckpointEncodeError(
         f"{what} cannot be written to a checkpoint: {type(ex).__name__}: {ex}. {fix}"
     )
+
+
+def first_unpicklable(records: Sequence[Any], top: str) -> tuple[Any, str] | None:
+    """The first of ``records`` that does not pickle and a name for the part of it that
+    does not (as in a checkpoint's error), or None when all do. Runs only after sending
+    them failed: it pickles each again."""
+    for record in records:
+        try:
+            cloudpickle.dumps(record, protocol=5)
+        except Exception as ex:
+            what = describe_value([record], [("index", 0, record), *_locate(record)], top)
+            return record, f"{what}: {type(ex).__name__}: {ex}"
+    return None
 
 
 #: the advice of an unencodable output or checkpoint value

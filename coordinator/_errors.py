@@ -18,6 +18,7 @@ __all__ = [
     "IterationConfigError",
     "RemoteFailure",
     "UsageError",
+    "ValueEncodeError",
     "VariablesMismatchError",
 ]
 
@@ -43,11 +44,16 @@ class CheckpointError(HybridIterError):
     """A checkpoint cannot be written, found, read or trusted."""
 
 
-class CheckpointEncodeError(CheckpointError, TypeError):
-    """A value a checkpoint must hold cannot be encoded (it does not pickle: a lock, an
-    open file, a generator, ...). The message names the value (a variable, an output's
-    tag and epoch, the state of which operator) and the fix. A relaunch would meet the
-    same value, so it is not retried."""
+class ValueEncodeError(HybridIterError, TypeError):
+    """A value that must leave the process it was made in does not pickle (a lock, an
+    open file, a generator, ...): a checkpoint's, or an output on its way from the
+    coordinator to the driver's result. The message names the value (a variable, an
+    output's tag and epoch, the state of which operator) and the fix. A relaunch would
+    meet the same value, so it is not retried."""
+
+
+class CheckpointEncodeError(CheckpointError, ValueEncodeError):
+    """A value a checkpoint must hold cannot be encoded (``ValueEncodeError``)."""
 
 
 class VariablesMismatchError(HybridIterError, ValueError):

@@ -44,6 +44,7 @@ from ._errors import (
     StoredArraysLost,
     UsageError,
     UserFunctionError,
+    ValueEncodeError,
     VariablesMismatchError,
     WorkerDiedError,
 )
@@ -110,6 +111,7 @@ __all__ = [
     "TerminationReason",
     "UsageError",
     "UserFunctionError",
+    "ValueEncodeError",
     "VariablesMismatchError",
     "WorkerDiedError",
     "__version__",

@@ -36,10 +36,13 @@
     │                                        already (``overwrite=True`` replaces it)
     ├── ModelNotFoundError                   ``Model.load(path)`` of a path holding no
     │   (FileNotFoundError)                  saved model
+    ├── ValueEncodeError (TypeError)         a value that must leave its process does
+    │                                        not pickle: an output on its way to the
+    │                                        driver; names it; not retried
     ├── CheckpointError                      a checkpoint cannot be written, found, read,
     │   │                                    trusted
     │   ├── CheckpointEncodeError            a value a checkpoint must hold does not
-    │   │   │ (TypeError)                    pickle; names it (variable, output tag and
+    │   │   │ (ValueEncodeError)             pickle; names it (variable, output tag and
     │   │   │                                epoch, which operator's state); not retried
     │   │   └── UnpicklableOperator          an operator a checkpoint cannot pickle
     │   ├── CheckpointCorrupt (ValueError)   failed authentication, truncated, an older
@@ -81,6 +84,7 @@ from coordinator import (
     IterationConfigError,
     RemoteFailure,
     UsageError,
+    ValueEncodeError,
     VariablesMismatchError,
 )
 from spark_ops import SparkOpsError, UserFunctionError
@@ -101,6 +105,7 @@ __all__ = [
     "StoredArraysLost",
     "UsageError",
     "UserFunctionError",
+    "ValueEncodeError",
     "VariablesMismatchError",
     "WorkerDiedError",
 ]

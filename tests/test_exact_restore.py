@@ -359,3 +359,18 @@ def test_an_online_restore_keeps_a_0d_variable_and_datetime_outputs(tmp_path):
     assert batch == 2
     for a, b in zip(c.last_outputs()[1], outputs, strict=True):
         assert_same(a.value, b.value, a.tag)
+
+
+def test_an_output_that_cannot_reach_the_driver_fails_at_once_naming_it(df, tmp_path):
+    """Without checkpoints the coordinator's outputs still travel to the driver pickled:
+    one that cannot be pickled fails the run naming it, and no relaunch is spent on it
+    (a relaunch would emit the same value)."""
+    log = tmp_path / "epochs"
+    with pytest.raises(hi.IterationFailedError) as err:
+        run(df, Recorder(str(log)), Handle(), max_restarts=3)
+    assert launches(log) == 1  # not relaunched
+    causes = [f.cause for f in err.value.failures.values() if f.cause is not None]
+    assert causes and isinstance(causes[0], hi.ValueEncodeError)
+    message = str(err.value)
+    for words in ("output 'handle' of epoch 3", "the coordinator", "['conn']", "_thread.lock"):
+        assert words in message, words

@@ -24,7 +24,6 @@ import numpy as np
 
 import storage_uri
 from coordinator import (
-    CheckpointEncodeError,
     CheckpointInfo,
     CheckpointSpec,
     CheckpointStore,
@@ -34,6 +33,7 @@ from coordinator import (
     MissingCheckpoint,
     RemoteFailure,
     UnpicklableOperator,
+    ValueEncodeError,
     checkpoint_key,
     damaged_since,
     fingerprint_mismatch,
@@ -557,7 +557,7 @@ _FATAL = (
     StoredArraysLost,  # a relaunch would miss the same arrays: the fit reads from Spark
     ForeignCheckpoint,
     MissingCheckpoint,  # the restore found less than was written: the path is not shared
-    CheckpointEncodeError,  # the same value would be met at the same checkpoint
+    ValueEncodeError,  # the same value would be met again (a checkpoint's, an output)
     UsageError,  # an API called where it cannot be: the same call is made again
 )
 
@@ -939,7 +939,14 @@ class _Monitor:
         """The coordinator's result, after the last job; raises what went wrong."""
         import ray
 
-        data = ray.get(self.actor.result.remote())
+        try:
+            data = ray.get(self.actor.result.remote())
+        except ray.exceptions.RayTaskError:
+            # an output that does not pickle cannot travel here: name it, not Ray's trace
+            unpicklable = ray.get(self.actor.unpicklable_output.remote())
+            if unpicklable is None:
+                raise
+            _raise_failures([unpicklable], None)
         self.printer.update(ray.get(self.actor.progress.remote()), final=True)
         if data.failures:
             _raise_failures(data.failures, self.error)
