@@ -1,22 +1,13 @@
-"""Ray side of hybrid_iter: the pure epoch/termination state machine, the coordinator
-actor that wraps it (a plain class, made an actor where it is launched), and the
+"""Ray side of hybrid_iter: the pure coordinator core (``CoordinatorCore``: the epoch
+state machine and the cut behind one ``handle(event) -> instructions``), the actor that
+wraps it (a plain class, made an actor where it is launched), both tiers' ``ctx``/``out``
+(``_operator_api``), the seam between a subtask and its coordinator (``_link``), and the
 versioned variables store of the parameter server.
 
 Never imports pyspark or hybrid_iter.
 """
 
-from ._actor import (
-    CheckpointInfo,
-    CheckpointSpec,
-    CoordinatorCollector,
-    CoordinatorContext,
-    CoordinatorSpec,
-    FeedbackShapeMismatch,
-    IterationCoordinator,
-    MissingCheckpoint,
-    NonFiniteVariables,
-    UnpicklableOperator,
-)
+from ._actor import IterationCoordinator
 from ._checkpoint import (
     CheckpointCorrupt,
     CheckpointStore,
@@ -27,21 +18,35 @@ from ._checkpoint import (
     fingerprint_mismatch,
     previous_checkpoint_key,
 )
+from ._core import CoordinatorCore, CoreError
 from ._cut import CutError
 from ._errors import (
     CheckpointEncodeError,
     CheckpointError,
     ConfigTypeError,
+    FeedbackShapeMismatch,
     HybridIterError,
     IterationConfigError,
+    MissingCheckpoint,
+    NonFiniteVariables,
     RemoteFailure,
+    UnpicklableOperator,
     UsageError,
     ValueEncodeError,
     VariablesMismatchError,
 )
 from ._hooks import RuntimeHooks
-from ._online import OnlineCoordinator
+from ._link import CoordinatorLink, InProcessLink, Pending, RayLink
+from ._online import OnlineCommit, OnlineCoordinator, OnlineRestore, OnlineStatus
+from ._operator_api import (
+    CoordinatorCollector,
+    CoordinatorContext,
+    PartitionCollector,
+    PartitionContext,
+)
 from ._protocol import Emissions, OutputRecord, Progress, Reply, ResultData
+from ._snapshots import CheckpointInfo
+from ._spec import CheckpointSpec, CoordinatorSpec
 from ._state import EpochCounts, EpochStateMachine, Release, StateMachineError, TerminationReason
 from ._variables import VariablesPayload, VariableSpec, VariablesStore, normalize_variables
 
@@ -55,7 +60,10 @@ __all__ = [
     "ConfigTypeError",
     "CoordinatorCollector",
     "CoordinatorContext",
+    "CoordinatorCore",
+    "CoordinatorLink",
     "CoordinatorSpec",
+    "CoreError",
     "CutError",
     "Emissions",
     "EpochCounts",
@@ -63,14 +71,22 @@ __all__ = [
     "FeedbackShapeMismatch",
     "ForeignCheckpoint",
     "HybridIterError",
+    "InProcessLink",
     "IterationConfigError",
     "IterationCoordinator",
     "LoadedCheckpoint",
     "MissingCheckpoint",
     "NonFiniteVariables",
+    "OnlineCommit",
     "OnlineCoordinator",
+    "OnlineRestore",
+    "OnlineStatus",
     "OutputRecord",
+    "PartitionCollector",
+    "PartitionContext",
+    "Pending",
     "Progress",
+    "RayLink",
     "Release",
     "RemoteFailure",
     "Reply",

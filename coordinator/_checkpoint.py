@@ -58,7 +58,7 @@ import secrets
 import struct
 import uuid
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -69,7 +69,13 @@ import pyarrow.fs as pafs
 
 import storage_uri
 
-from ._errors import CheckpointEncodeError, CheckpointError, IterationConfigError
+from ._errors import (
+    CheckpointEncodeError,
+    CheckpointError,
+    IterationConfigError,
+    UnpicklableOperator,
+)
+from ._operator_api import overrides
 
 __all__ = [
     "KEY_ENV",
@@ -82,6 +88,7 @@ __all__ = [
     "damaged_since",
     "delete_name",
     "describe_value",
+    "dump_operator",
     "dumps_state",
     "fingerprint_mismatch",
     "first_unpicklable",
@@ -90,6 +97,7 @@ __all__ = [
     "open_filesystem",
     "previous_checkpoint_key",
     "read_record",
+    "restore_operator",
     "write_record",
 ]
 
@@ -371,6 +379,40 @@ def dumps_state(value: Any, owner: str) -> bytes:
             "containers of them), and rebuild the rest (locks, clients, open files) in "
             "restore_state()",
         ) from ex
+
+
+def dump_operator(op: Any, owner: str, call: Callable[..., Any]) -> tuple[str, bytes]:
+    """An operator's state in the one form both tiers use, for checkpoints and for the
+    round stash: ``("state", its snapshot_state() pickled)`` when it defines the hook, else
+    ``("object", the pickled operator)``. ``call(op, "snapshot_state")`` runs the hook the
+    tier's way (failure capture, watchdog); ``owner`` names the operator ("the
+    coordinator operator Step"). What does not pickle raises ``CheckpointEncodeError``
+    (``UnpicklableOperator`` for the operator itself) naming it and the fix."""
+    if overrides(op, "snapshot_state"):
+        state = call(op, "snapshot_state")
+        return "state", dumps_state(state, f"the state snapshot_state() of {owner} returned")
+    try:
+        return "object", bytes(cloudpickle.dumps(op, protocol=5))
+    except Exception as ex:
+        raise UnpicklableOperator(
+            f"{owner} cannot be pickled for a checkpoint ({type(ex).__name__}: {ex}); "
+            f"define snapshot_state() and restore_state() on it, or drop what cannot be "
+            f"pickled"
+        ) from ex
+
+
+def restore_operator(
+    dumped: tuple[str, bytes], fresh: Callable[[], Any], call: Callable[..., Any]
+) -> Any:
+    """The operator ``dump_operator`` gave: the pickled object itself (opened in its first
+    life), or ``fresh()`` (a new, opened operator) given the state by
+    ``call(op, "restore_state", state)``."""
+    kind, blob = dumped
+    if kind == "object":
+        return cloudpickle.loads(blob)
+    op = fresh()
+    call(op, "restore_state", cloudpickle.loads(blob))
+    return op
 
 
 def _encode(obj: Any, *, key: bytes, run_id: str, kind: str, epoch: int) -> list[Any]:

@@ -16,7 +16,10 @@ __all__ = [
     "FeedbackShapeMismatch",
     "HybridIterError",
     "IterationConfigError",
+    "MissingCheckpoint",
+    "NonFiniteVariables",
     "RemoteFailure",
+    "UnpicklableOperator",
     "UsageError",
     "ValueEncodeError",
     "VariablesMismatchError",
@@ -56,8 +59,21 @@ class CheckpointEncodeError(CheckpointError, ValueEncodeError):
     """A value a checkpoint must hold cannot be encoded (``ValueEncodeError``)."""
 
 
+class UnpicklableOperator(CheckpointEncodeError):
+    """An operator without snapshot_state() that cannot be pickled into a checkpoint (or
+    carried from one round job to the next)."""
+
+
+class MissingCheckpoint(CheckpointError, RuntimeError):
+    """A restore did not find the checkpoint it must find (a node-local path?)."""
+
+
 class VariablesMismatchError(HybridIterError, ValueError):
     """``publish_variables`` named a variable that does not exist or gave a wrong shape."""
+
+
+class NonFiniteVariables(VariablesMismatchError):
+    """``publish_variables`` with NaN or infinite values."""
 
 
 class FeedbackShapeMismatch(VariablesMismatchError):

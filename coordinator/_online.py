@@ -8,11 +8,12 @@ coordinator's watermark callback of the round (one lock-step round per micro-bat
 variables version); in async mode feedback is applied as it arrives and the commit only
 closes the round.
 
-Exactly once: a batch id at or below the last committed one is a replay (Spark re-runs
-the last batch after a restart) and is ignored; a task that Spark retries within a batch
-reports the same key again and is counted once. With a checkpoint store every commit,
-before ``foreachBatch`` returns (so Spark never commits a batch whose update could be
-lost), writes
+Exactly once is ``OnlineLedger``'s pure bookkeeping: a batch id at or below the last
+committed one is a replay (Spark re-runs the last batch after a restart) and is ignored;
+a task that Spark retries within a batch reports the same key again and is counted once;
+a journal is replayed in order and never across a gap. With a checkpoint store every
+commit, before ``foreachBatch`` returns (so Spark never commits a batch whose update
+could be lost), writes
 
 * a **journal record** ``jrn-<batch>.ckpt``: the batch's partition emissions in the order
   they were applied, its row and dead-letter counts (small: feedback, not state);
@@ -34,24 +35,167 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter, deque
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from ._actor import CoordinatorSpec, IterationCoordinator, _UserCodeFailed
 from ._checkpoint import (
     CheckpointCorrupt,
     ForeignCheckpoint,
+    LoadedCheckpoint,
     delete_name,
     list_names,
     read_record,
     write_record,
 )
-from ._errors import RemoteFailure
-from ._protocol import Emissions, OutputRecord
+from ._core import COORDINATOR, Apply, FeedbackShapes, Watermark
+from ._errors import RemoteFailure, UnpicklableOperator
+from ._host import OperatorHost, UserCodeFailed
+from ._operator_api import overrides
+from ._protocol import Emissions, OutputRecord, Progress, ResultData
+from ._shell import ProgressWaiters, object_store
+from ._snapshots import Snapshots
+from ._spec import CoordinatorSpec
+from ._variables import VariablesPayload, VariablesStore
 
-__all__ = ["OnlineCoordinator"]
+__all__ = ["OnlineCommit", "OnlineCoordinator", "OnlineLedger", "OnlineRestore", "OnlineStatus"]
 
 #: commits kept for the batches/s and rows/s window
 _RATE_WINDOW = 64
+
+
+@dataclass(frozen=True)
+class OnlineCommit:
+    """What ``commit_batch`` answers: whether the batch was applied (a replay is not), the
+    failure that stopped it, the batch's output records, and the next round."""
+
+    applied: bool
+    failure: RemoteFailure | None = None
+    outputs: list[OutputRecord] = field(default_factory=list)
+    round: int | None = None
+
+
+@dataclass
+class OnlineRestore:
+    """What a restore found: the snapshot it took (None: none), the damaged files it
+    skipped, the journal records it replayed, those it could not use ``(batch, why)``,
+    the newest batch id on disk, and how long it took. The driver holds it against
+    Spark's own commit log."""
+
+    snapshot: str | None = None
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    replayed: list[int] = field(default_factory=list)
+    unusable: list[tuple[int, str]] = field(default_factory=list)
+    newest_on_disk: int = -1
+    seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class OnlineStatus:
+    """Where an online iteration is (``online_state()``)."""
+
+    committed: int
+    round: int
+    batches: int
+    rows: int
+    dead_letters: int
+    dead_files: int
+    version: int
+    last_loss: Any
+    last_commit: float | None
+    last_checkpoint: float | None
+    batches_per_s: float | None
+    rows_per_s: float | None
+    failures: list[RemoteFailure]
+    restore: OnlineRestore
+    held_outputs: int
+    #: (time, rows) of the last commits
+    recent_commits: list[tuple[float, int]]
+    pid: int
+
+
+class OnlineLedger:
+    """Exactly once over Spark's micro-batches, and the stream's counters: pure
+    bookkeeping (no Ray, no I/O). ``sync``: a batch's reports wait for its commit."""
+
+    def __init__(self, *, sync: bool) -> None:
+        self.sync = sync
+        self.committed = -1  # the last committed micro-batch id
+        self.round = 0
+        self.batches = self.rows = self.dead_letters = self.dead_files = 0
+        self.last_commit: float | None = None
+        self.rate: deque[tuple[float, int]] = deque(maxlen=_RATE_WINDOW)
+        #: sync: each batch's reports by partition (a task retry overwrites its own)
+        self._reports: dict[int, dict[int, Emissions]] = {}
+        #: async: (batch, partition) applied, and each batch's emissions in applied order
+        self._applied: set[tuple[int, int]] = set()
+        self._journal: dict[int, list[tuple[int, Emissions]]] = {}
+
+    def report(self, batch: int, partition: int, em: Emissions) -> Literal["held", "apply", "old"]:
+        """A micro-batch partition's emissions: held for the commit (sync), to apply now
+        (async; kept for the journal), or old (a replay, or a retry already applied)."""
+        if batch <= self.committed:
+            return "old"
+        if self.sync:
+            self._reports.setdefault(batch, {})[partition] = em
+            return "held"
+        if (batch, partition) in self._applied:
+            return "old"
+        self._applied.add((batch, partition))
+        self._journal.setdefault(batch, []).append((partition, em))
+        return "apply"
+
+    def entries(self, batch: int) -> list[tuple[int, Emissions]] | None:
+        """The emissions batch ``batch`` commits, in the order they apply (sync: to apply
+        now, in partition order; async: applied already); None for a replayed batch."""
+        if batch <= self.committed:
+            return None
+        if self.sync:
+            return sorted(self._reports.pop(batch, {}).items())
+        return self._journal.pop(batch, [])
+
+    def close(self, batch: int, rows: int, dead_letters: int, dead_files: int, now: float) -> None:
+        """Batch ``batch`` is committed: the next round starts."""
+        self._reports = {b: r for b, r in self._reports.items() if b > batch}
+        self._journal = {b: e for b, e in self._journal.items() if b > batch}
+        self._applied = {k for k in self._applied if k[0] > batch}
+        self.committed = batch
+        self.round += 1
+        self.batches += 1
+        self.rows += rows
+        self.dead_letters += dead_letters
+        self.dead_files += dead_files
+        self.last_commit = now
+        self.rate.append((now, rows))
+
+    def gap(self, batch: int) -> str | None:
+        """Why journal record ``batch`` (newer than the state) cannot be applied next."""
+        if batch != self.committed + 1:
+            return f"batch {self.committed + 1} has no journal record"
+        return None
+
+    def rates(self) -> tuple[float | None, float | None]:
+        """Batches and rows per second over the last commits."""
+        window = list(self.rate)
+        span = window[-1][0] - window[0][0] if len(window) >= 2 else 0.0
+        if span <= 0:
+            return None, None
+        return (len(window) - 1) / span, sum(r for _, r in window[1:]) / span
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "committed": self.committed,
+            "round": self.round,
+            "batches": self.batches,
+            "rows": self.rows,
+            "dead_letters": self.dead_letters,
+            "dead_files": self.dead_files,
+        }
+
+    def restore(self, data: Mapping[str, Any]) -> None:
+        self.committed, self.round = data["committed"], data["round"]
+        self.batches, self.rows = data["batches"], data["rows"]
+        self.dead_letters, self.dead_files = data["dead_letters"], data.get("dead_files", 0)
 
 
 def _journal_name(batch_id: int) -> str:
@@ -67,131 +211,142 @@ def _batch_of(name: str, prefix: str, suffix: str) -> int | None:
         return None
 
 
-class OnlineCoordinator(IterationCoordinator):
+class OnlineCoordinator:
     """Rounds are micro-batches; there is no termination (an online iteration runs until
-    it is stopped)."""
+    it is stopped). All public methods are called through Ray."""
 
     def __init__(self, spec: CoordinatorSpec, put: Any = None) -> None:
-        self.committed = -1  # the last committed micro-batch id
-        self.round = 0
-        self.batches = 0
-        self.total_rows = 0
-        self.dead_letters = 0
-        self.dead_files = 0
-        self.last_commit: float | None = None
-        self.last_checkpoint: float | None = None
-        self._reports: dict[int, dict[int, Emissions]] = {}
-        #: async: (batch, partition) applied, and the batch's emissions in applied order
-        self._applied: set[tuple[int, int]] = set()
-        self._journal: dict[int, list[tuple[int, Emissions]]] = {}
+        put, get = object_store(put)
+        self.spec = spec
+        self.ledger = OnlineLedger(sync=spec.staleness == 0)
+        self.store = VariablesStore(
+            spec.init_variables, put=put, get=get, inline_limit=spec.inline_limit
+        )
+        self.host = OperatorHost(
+            num_subtasks=spec.num_subtasks,
+            staleness=spec.staleness,
+            has_criteria=spec.has_criteria,
+            store=self.store,
+            aligned=lambda: self.ledger.round - 1,
+            progress_tag=spec.progress_tag,
+        )
+        self.failures: list[RemoteFailure] = []
+        self.feedback_counts: Counter[int] = Counter()  # partitions vary between batches
+        self._shapes = FeedbackShapes()
+        self._progress = ProgressWaiters()
+        self._alignment_times: list[float] = []
         #: the output records of the last committed batch (delivered again on a replay)
         self._last_outputs: tuple[int, list[OutputRecord]] = (-1, [])
-        self._rate: deque[tuple[float, int]] = deque(maxlen=_RATE_WINDOW)
-        self.restore_report: dict[str, Any] = {}
-        super().__init__(spec, put)
-        self._attempt = 0
+        self.last_checkpoint: float | None = None
+        self.restore_report = OnlineRestore()
+        self.snapshots: Snapshots | None = None
+        try:
+            if spec.operators:
+                self.host.load(spec.operators, main_per_round=spec.main_per_round)
+        except Exception as ex:
+            where = (
+                "loading the coordinator operator or feedback combiner in the Ray actor (is "
+                "its module importable there? see hybrid_iter docs on shipping code)"
+            )
+            self._fail(RemoteFailure.capture(ex, source=COORDINATOR, epoch=None, where=where))
+        try:
+            self.snapshots = Snapshots(spec.checkpoint) if spec.checkpoint is not None else None
+            if self.snapshots is None or not self._restore():
+                self.host.main.open_all_round()
+                main = self.host.main.alive()
+                if self.snapshots is not None and main is not None:
+                    if not overrides(main, "snapshot_state"):
+                        self.host.dump_main()  # refuse at once what a snapshot cannot hold
+        except UserCodeFailed as ex:
+            self._fail(ex.failure)
+        except (ForeignCheckpoint, UnpicklableOperator) as ex:  # final
+            where = (
+                "checking that the coordinator operator can be checkpointed"
+                if isinstance(ex, UnpicklableOperator)
+                else "restoring a checkpoint"
+            )
+            self._fail(RemoteFailure(COORDINATOR, None, where, type(ex).__name__, str(ex), "", ex))
+        except Exception as ex:
+            where = "restoring a checkpoint"
+            self._fail(RemoteFailure.capture(ex, source=COORDINATOR, epoch=None, where=where))
 
-    def _new_feedback_counts(self) -> Counter[int]:
-        return Counter()  # partitions vary between micro-batches: only those seen
+    # -- calls from Spark tasks -------------------------------------------------------------
 
-    # -- calls from Spark tasks ---------------------------------------------------------
+    async def variables(self, known_version: int = -1) -> VariablesPayload | None:
+        """The newest variables if newer than ``known_version``."""
+        return self.store.payload() if self.store.version > known_version else None
 
     async def online_report(self, batch_id: int, partition: int, emissions: Emissions) -> bool:
         """A micro-batch partition's emissions; False when it is a replay (ignored)."""
-        if self._failures or batch_id <= self.committed:
+        if self.failures:
             return False
-        if self.spec.staleness == 0:
-            self._reports.setdefault(batch_id, {})[partition] = emissions  # a retry overwrites
-            return True
-        if (batch_id, partition) in self._applied:
-            return False
-        self._applied.add((batch_id, partition))
-        self._journal.setdefault(batch_id, []).append((partition, emissions))
-        try:
-            self._apply_partition_emissions(partition, self.round, emissions)
-        except _UserCodeFailed:
-            pass
-        return True
+        verdict = self.ledger.report(batch_id, partition, emissions)
+        if verdict == "apply":
+            try:
+                self._apply(partition, self.ledger.round, emissions)
+            except UserCodeFailed:
+                pass
+        return verdict != "old"
 
-    # -- calls from the driver ----------------------------------------------------------
+    async def fail(self, failure: RemoteFailure, attempt: int = 0) -> None:
+        """A task failed: keep the failure for the driver."""
+        self._fail(failure)
+
+    # -- calls from the driver --------------------------------------------------------------
 
     def commit_batch(
         self, batch_id: int, rows: int, dead_letters: int, dead_files: int = 0
-    ) -> dict[str, Any]:
+    ) -> OnlineCommit:
         """Close micro-batch ``batch_id`` (a round); returns the new output records."""
-        if self._failures:
-            return {"applied": False, "failure": self._failures[0], "outputs": []}
-        if batch_id <= self.committed:
-            return {"applied": False, "failure": None, "outputs": []}  # a replayed batch
-        if self.spec.staleness == 0:
-            entries = sorted(self._reports.pop(batch_id, {}).items())
-        else:
-            entries = self._journal.pop(batch_id, [])
+        if self.failures:
+            return OnlineCommit(False, self.failures[0])
+        entries = self.ledger.entries(batch_id)
+        if entries is None:
+            return OnlineCommit(False)  # a replayed batch
         try:
-            if self.spec.staleness == 0:
+            if self.ledger.sync:
                 for partition, em in entries:
-                    self._apply_partition_emissions(partition, self.round, em)
+                    self._apply(partition, self.ledger.round, em)
             self._close_round(batch_id, rows, dead_letters, dead_files)
-        except _UserCodeFailed:
-            return {"applied": False, "failure": self._failures[0], "outputs": []}
-        new, self._outputs = self._outputs, []  # delivered: they leave the actor's memory
+        except UserCodeFailed:
+            return OnlineCommit(False, self.failures[0])
+        new, self.host.outputs = self.host.outputs, []  # delivered: they leave memory
         self._last_outputs = (batch_id, new)
-        if self._ckpt_store is not None:
+        if self.snapshots is not None:
             try:
                 self._write_journal(batch_id, entries, rows, dead_letters, dead_files)
                 self._persist()
                 self._prune_journal()
             except Exception as ex:
-                self._record_failure(
-                    RemoteFailure.capture(
-                        ex, source="coordinator", epoch=self.round, where="writing a checkpoint"
-                    )
-                )
-                return {"applied": False, "failure": self._failures[0], "outputs": []}
-        self._notify_progress()
-        return {"applied": True, "failure": None, "outputs": list(new), "round": self.round}
+                where = "writing a checkpoint"
+                round_ = self.ledger.round
+                self._fail(RemoteFailure.capture(ex, source=COORDINATOR, epoch=round_, where=where))
+                return OnlineCommit(False, self.failures[0])
+        self._progress.notify(self._progress_ready)
+        return OnlineCommit(True, None, list(new), self.ledger.round)
 
-    def _close_round(self, batch_id: int, rows: int, dead_letters: int, dead_files: int) -> None:
-        """The coordinator's watermark callback of the batch's round and the counters."""
-        self._coordinator_watermark(self.round)
-        self._reports = {b: r for b, r in self._reports.items() if b > batch_id}
-        self._journal = {b: e for b, e in self._journal.items() if b > batch_id}
-        self.sm.counts.clear()  # termination counts mean nothing online
-        self._applied = {k for k in self._applied if k[0] > batch_id}
-        self.committed = batch_id
-        self.round += 1
-        self.batches += 1
-        self.total_rows += rows
-        self.dead_letters += dead_letters
-        self.dead_files += dead_files
-        self.last_commit = time.time()
-        self._rate.append((self.last_commit, rows))
-        # progress() needs the last two; the list must not grow with the stream's age
-        self._alignment_times = [*self._alignment_times[-1:], self.last_commit]
-
-    def online_state(self) -> dict[str, Any]:
-        window = list(self._rate)
-        span = window[-1][0] - window[0][0] if len(window) >= 2 else 0.0
-        return {
-            "committed": self.committed,
-            "round": self.round,
-            "batches": self.batches,
-            "rows": self.total_rows,
-            "dead_letters": self.dead_letters,
-            "dead_files": self.dead_files,
-            "version": self.store.version,
-            "last_loss": self._last_loss,
-            "last_commit": self.last_commit,
-            "last_checkpoint": self.last_checkpoint,
-            "batches_per_s": (len(window) - 1) / span if span > 0 else None,
-            "rows_per_s": sum(r for _, r in window[1:]) / span if span > 0 else None,
-            "failures": list(self._failures),
-            "restore": dict(self.restore_report),
-            "restore_s": self.restore_report.get("seconds"),
-            "held_outputs": len(self._outputs),
-            "recent_commits": list(self._rate),  # (time, rows) of the last commits
-            "pid": os.getpid(),
-        }
+    def online_state(self) -> OnlineStatus:
+        ledger = self.ledger
+        batches_per_s, rows_per_s = ledger.rates()
+        return OnlineStatus(
+            committed=ledger.committed,
+            round=ledger.round,
+            batches=ledger.batches,
+            rows=ledger.rows,
+            dead_letters=ledger.dead_letters,
+            dead_files=ledger.dead_files,
+            version=self.store.version,
+            last_loss=self.host.last_loss,
+            last_commit=ledger.last_commit,
+            last_checkpoint=self.last_checkpoint,
+            batches_per_s=batches_per_s,
+            rows_per_s=rows_per_s,
+            failures=list(self.failures),
+            restore=self.restore_report,
+            held_outputs=len(self.host.outputs),
+            recent_commits=list(ledger.rate),
+            pid=os.getpid(),
+        )
 
     def latest_variables(self) -> dict[str, Any]:
         return dict(self.store.values)
@@ -200,10 +355,78 @@ class OnlineCoordinator(IterationCoordinator):
         """The output records of the last committed batch (for a replayed batch)."""
         return self._last_outputs
 
-    def recent_outputs(self, limit: int = 1000) -> list[OutputRecord]:
-        return list(self._last_outputs[1][-limit:])
+    async def wait_progress(
+        self,
+        after_aligned: int,
+        timeout: float,
+        each_alignment: bool = True,
+        after_checkpoint: int = -1,
+    ) -> Progress:
+        """Return after a failure, once the round passes ``after_aligned`` (with
+        ``each_alignment``), or at ``timeout`` (the driver's failure watch)."""
+        await self._progress.wait((each_alignment, after_aligned), self._progress_ready, timeout)
+        return self.progress()
 
-    # -- persistence --------------------------------------------------------------------
+    def _progress_ready(self, each_alignment: bool, aligned: int) -> bool:
+        return bool(self.failures) or (each_alignment and self.ledger.round - 1 > aligned)
+
+    def progress(self) -> Progress:
+        t = self._alignment_times
+        return Progress(
+            aligned=self.ledger.round - 1,
+            epochs=self.ledger.round,
+            last_epoch_seconds=(t[-1] - t[-2]) if len(t) >= 2 else None,
+            loss=self.host.last_loss,
+            terminated_by=None,
+            done=bool(self.failures),
+            failed=bool(self.failures),
+            rows=self.ledger.rows,
+            checkpointed=self.snapshots.newest if self.snapshots is not None else -1,
+        )
+
+    def result(self) -> ResultData:
+        return ResultData(
+            variables=dict(self.store.values),
+            outputs=[] if self.failures else list(self.host.outputs),
+            epochs=self.ledger.round,
+            terminated_by=None,
+            alignment_times=list(self._alignment_times),
+            subtask_epochs={},
+            feedback_counts=dict(sorted(self.feedback_counts.items())),
+            rows=[self.ledger.rows],
+            publishes=self.store.publishes,
+            object_store_puts=self.store.puts,
+            failures=list(self.failures),
+        )
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _apply(self, partition: int, round_: int, em: Emissions) -> None:
+        failure = self._shapes.check(partition, round_, em.feedback)
+        if failure is not None:
+            self._fail(failure)
+            raise UserCodeFailed(failure)
+        self.feedback_counts[partition] += em.feedback_count
+        self._user(Apply(round_, partition, em))
+
+    def _user(self, call: Any) -> None:
+        done = self.host.run(call)  # publishes and criteria decide nothing online
+        if done.failure is not None:
+            self._fail(done.failure)
+            raise UserCodeFailed(done.failure)
+
+    def _fail(self, failure: RemoteFailure) -> None:
+        self.failures.append(failure)
+        self._progress.notify(self._progress_ready)
+
+    def _close_round(self, batch_id: int, rows: int, dead_letters: int, dead_files: int) -> None:
+        """The coordinator's watermark callback of the batch's round and the counters."""
+        self._user(Watermark(self.ledger.round))
+        self.ledger.close(batch_id, rows, dead_letters, dead_files, time.time())
+        # progress() needs the last two; the list must not grow with the stream's age
+        self._alignment_times = [*self._alignment_times[-1:], time.time()]
+
+    # -- persistence --------------------------------------------------------------------------
 
     def _write_journal(
         self,
@@ -213,116 +436,101 @@ class OnlineCoordinator(IterationCoordinator):
         dead_letters: int,
         dead_files: int,
     ) -> None:
-        assert self._ckpt_store is not None and self.spec.checkpoint is not None
+        assert self.snapshots is not None
         record = {
-            "fingerprint": dict(self.spec.checkpoint.fingerprint),
+            "fingerprint": dict(self.snapshots.spec.fingerprint),
             "batch_id": batch_id,
             "entries": entries,
             "rows": rows,
             "dead_letters": dead_letters,
             "dead_files": dead_files,
         }
-        write_record(self._ckpt_store, _journal_name(batch_id), record)
+        write_record(self.snapshots.store, _journal_name(batch_id), record)
 
     def _prune_journal(self) -> None:
         """Journal records at or before the oldest kept snapshot are not needed any more."""
-        assert self._ckpt_store is not None
-        snapshots = self._ckpt_store.checkpoint_epochs()
-        if not snapshots:
+        assert self.snapshots is not None
+        store = self.snapshots.store
+        kept = store.checkpoint_epochs()
+        if not kept:
             return
-        oldest = snapshots[0]
-        for name in list_names(self._ckpt_store):
+        for name in list_names(store):
             b = _batch_of(name, "jrn-", ".ckpt")
-            if b is not None and b <= oldest:
-                delete_name(self._ckpt_store, name)
+            if b is not None and b <= kept[0]:
+                delete_name(store, name)
 
     def _persist(self) -> None:
+        assert self.snapshots is not None
         data = {
-            **self._checkpoint_common(),
+            **self.snapshots.common(self.host, self.store),
             "online": True,
-            "committed": self.committed,
-            "round": self.round,
-            "batches": self.batches,
-            "rows": self.total_rows,
-            "dead_letters": self.dead_letters,
-            "dead_files": self.dead_files,
+            **self.ledger.snapshot(),
             "last_outputs": self._last_outputs,
         }
         started = time.perf_counter()
         # keyed by the batch id: a replay rewrites the same file; the outputs are in the
         # snapshot (``last_outputs``), so no ``out-*`` segment piles up per batch
-        self._save_checkpoint(self.committed, data, started)
-        self.checkpoints = self.checkpoints[-8:]
+        self.snapshots.save(self.ledger.committed, data, [], started)
+        self.snapshots.written = self.snapshots.written[-8:]
         self.last_checkpoint = time.time()
 
     def _restore(self) -> bool:
         """Online state from the newest valid snapshot plus the journal after it (False
         when there is nothing to restore). What could not be restored is in
         ``restore_report`` for the driver to hold against Spark's own commit log."""
-        assert self._ckpt_store is not None and self.spec.checkpoint is not None
+        assert self.snapshots is not None
         started = time.perf_counter()
-        self._feedback_counts = self._new_feedback_counts()
-        names = list_names(self._ckpt_store)
+        store = self.snapshots.store
+        names = list_names(store)
         journal_ids = sorted(
             b for b in (_batch_of(n, "jrn-", ".ckpt") for n in names) if b is not None
         )
-        snapshot_ids = self._ckpt_store.checkpoint_epochs()
-        report: dict[str, Any] = {
-            "snapshot": None,
-            "skipped": [],
-            "replayed": [],
-            "unusable": [],
-            "newest_on_disk": max([*journal_ids, *snapshot_ids], default=-1),
-        }
-        self.restore_report = report
+        snapshot_ids = store.checkpoint_epochs()
+        report = self.restore_report = OnlineRestore(
+            newest_on_disk=max([*journal_ids, *snapshot_ids], default=-1)
+        )
         if not journal_ids and not snapshot_ids:
             return False
-        loaded = self._ckpt_store.load_latest()
+        loaded = store.load_latest()
         if loaded is not None:
-            report["skipped"] = list(loaded.skipped)
-            self.skipped_checkpoints = list(loaded.skipped)
+            report.skipped = list(loaded.skipped)
+            self.snapshots.skipped = list(loaded.skipped)
         if loaded is not None and loaded.epoch >= 0:
             self._restore_snapshot(loaded)
-            report["snapshot"] = loaded.path
+            report.snapshot = loaded.path
         else:
-            self._main.open_all_round()  # no usable snapshot: the journal starts from init
+            self.host.main.open_all_round()  # no usable snapshot: the journal starts from init
         for b in journal_ids:
-            if b <= self.committed:
+            if b <= self.ledger.committed:
                 continue
-            if b != self.committed + 1:  # a gap: what follows it cannot be applied
-                report["unusable"].append((b, f"batch {self.committed + 1} has no journal record"))
+            gap = self.ledger.gap(b)
+            if gap is not None:  # what follows a gap cannot be applied
+                report.unusable.append((b, gap))
                 break
             try:
-                record = read_record(self._ckpt_store, _journal_name(b))
-                self._check_fingerprint(record, f"{_journal_name(b)} in {self._ckpt_store.uri}")
+                record = read_record(store, _journal_name(b))
+                self.snapshots.check_fingerprint(record, f"{_journal_name(b)} in {store.uri}")
             except (CheckpointCorrupt, OSError) as ex:
-                report["unusable"].append((b, str(ex)))
+                report.unusable.append((b, str(ex)))
                 break
             for partition, em in record["entries"]:
-                self._apply_partition_emissions(partition, self.round, em)
+                self._apply(partition, self.ledger.round, em)
             self._close_round(b, record["rows"], record["dead_letters"], record["dead_files"])
-            self._last_outputs = (b, self._outputs)
-            self._outputs = []
-            report["replayed"].append(b)
-        self._saved_outputs = 0
-        if report["skipped"] and report["replayed"]:
+            self._last_outputs, self.host.outputs = (b, self.host.outputs), []
+            report.replayed.append(b)
+        if report.skipped and report.replayed:
             # the journal rebuilt what a damaged snapshot held: write it down again, so the
             # damaged file is replaced and does not count among the kept snapshots
             self._persist()
-        report["seconds"] = time.perf_counter() - started
+        report.seconds = time.perf_counter() - started
         return True
 
-    def _restore_snapshot(self, loaded: Any) -> None:
+    def _restore_snapshot(self, loaded: LoadedCheckpoint) -> None:
+        assert self.snapshots is not None
         data = loaded.data
         if not data.get("online"):
             raise ForeignCheckpoint(f"checkpoint {loaded.path} is of another iteration: not online")
-        self._restore_common(loaded)
-        self.committed, self.round = data["committed"], data["round"]
-        self.batches, self.total_rows, self.dead_letters = (
-            data["batches"],
-            data["rows"],
-            data["dead_letters"],
-        )
-        self.dead_files = data.get("dead_files", 0)
-        self._last_outputs = data.get("last_outputs", (self.committed, []))
-        self._outputs = []
+        self.snapshots.restore_common(loaded, self.host, self.store)
+        self.ledger.restore(data)
+        self._last_outputs = data.get("last_outputs", (self.ledger.committed, []))
+        self.host.outputs = []

@@ -22,7 +22,7 @@ alignment ``k``, before a checkpoint of that alignment is cut; a restarted coord
 starts new groups and relaunched tasks ask it for them again (``group_of``).
 
 Nothing here imports Ray at module level: the pure parts (``SumCombiner``, ``fold``,
-``group_bounds``, ``PartialFeedback``) are tested without it.
+``group_bounds``) are tested without it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import asyncio
 import itertools
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -216,40 +216,15 @@ def precombine(em: Emissions, combiner: Any) -> Emissions:
     )
 
 
-@dataclass
-class PartialFeedback:
-    """Partial values of one epoch, keyed by their first partition (groups and lone
-    subtasks alike), merged in that order at the alignment."""
-
-    main: dict[int, Any] = field(default_factory=dict)
-    round: dict[int, Any] = field(default_factory=dict)
-
-    def add(self, first_pid: int, em: Emissions) -> None:
-        """Take ``em``'s (pre-combined) feedback out of it."""
-        if em.feedback:
-            self.main[first_pid] = em.feedback[0]
-            em.feedback = []
-        if em.round_feedback:
-            self.round[first_pid] = em.round_feedback[0]
-            em.round_feedback = []
-
-    def totals(self, combiner: Any) -> tuple[Any, Any]:
-        """``(main total or None, round total or None)``."""
-        out = []
-        for part in (self.main, self.round):
-            out.append(fold([part[k] for k in sorted(part)], combiner) if part else None)
-        return out[0], out[1]
-
-
 class CoordinatorTree:
-    """The coordinator actor's side of the tree: the combiner, the partial values per
-    epoch, and the group actors. Runs in the Ray coordinator actor."""
+    """The coordinator actor's side of the tree: the combiner and the group actors (the
+    partial values of each epoch are the core's, ``_core.py``, merged by the operator
+    host at the alignment). Runs in the Ray coordinator actor."""
 
     def __init__(self, spec: TreeSpec, num_subtasks: int, *, start_groups: bool = True) -> None:
         self.spec = spec
         self.combiner = spec.load()
         self.bounds = group_bounds(num_subtasks, spec.fan_in)
-        self.pending: dict[int, PartialFeedback] = {}
         self.groups: list[Any] = []
         #: merges the groups' calls into one per epoch (None: no groups)
         self.root: Any = None
@@ -277,24 +252,6 @@ class CoordinatorTree:
             if lo <= pid < hi:
                 return g
         return None
-
-    def take(self, first_pid: int, epoch: int, em: Emissions) -> None:
-        """Keep ``em``'s partial feedback for its epoch's alignment (call ``epoch``
-        carries records of epoch ``max(epoch - 1, 0)``)."""
-        if not (em.feedback or em.round_feedback):
-            return  # a group's member (its feedback came merged) or nothing fed back
-        em2 = precombine(em, self.combiner)  # a subtask that did not pre-combine
-        part = self.pending.get(epoch)
-        if part is None:
-            part = self.pending[epoch] = PartialFeedback()
-        part.add(first_pid, em2)
-        if em2 is not em:
-            em.feedback, em.round_feedback = [], []
-            em.combined_count = em2.combined_count
-
-    def totals(self, epoch: int) -> tuple[Any, Any]:
-        part = self.pending.pop(epoch, None)
-        return part.totals(self.combiner) if part is not None else (None, None)
 
     def abort(self, failure: Any) -> None:
         """Answer every member waiting in a group (a failure was recorded)."""
@@ -524,3 +481,39 @@ def _cpu() -> float:
     import time
 
     return time.process_time()
+
+
+# -- the coordinator's futures of a group call ------------------------------------------------
+
+
+class _GroupCall:
+    """The members' replies of one ``report_group`` call; its ``future`` resolves with
+    them, in member order, when the last one is set."""
+
+    __slots__ = ("future", "missing", "replies")
+
+    def __init__(self, size: int, future: asyncio.Future[list[Reply]]) -> None:
+        self.replies: list[Reply | None] = [None] * size
+        self.missing = size
+        self.future = future
+
+
+class _Member:
+    """One member's place in a ``_GroupCall``: set like a future, at most once."""
+
+    __slots__ = ("call", "index")
+
+    def __init__(self, call: _GroupCall, index: int) -> None:
+        self.call, self.index = call, index
+
+    def done(self) -> bool:
+        return self.call.replies[self.index] is not None
+
+    def set_result(self, result: Reply, /) -> None:
+        call = self.call
+        if call.replies[self.index] is not None:
+            raise asyncio.InvalidStateError(f"member #{self.index} already has its reply")
+        call.replies[self.index] = result
+        call.missing -= 1
+        if call.missing == 0 and not call.future.done():
+            call.future.set_result(call.replies)  # type: ignore[arg-type]  # all set now

@@ -14,7 +14,14 @@ is the coordinator and parameter server. See DESIGN.md.
         )
 """
 
-from coordinator import CoordinatorCollector, CoordinatorContext, OutputRecord, TerminationReason
+from coordinator import (
+    CoordinatorCollector,
+    CoordinatorContext,
+    OutputRecord,
+    PartitionCollector,
+    PartitionContext,
+    TerminationReason,
+)
 from spark_ops import NumpyCache
 
 from . import ml, ps
@@ -59,7 +66,6 @@ from ._runtime.online import (
     OnlineProgress,
     iterate_unbounded_streams,
 )
-from ._runtime.task import PartitionCollector, PartitionContext
 from ._session import Session
 from ._streams import DataStream, ReplayableDataStreamList
 

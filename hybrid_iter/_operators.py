@@ -13,10 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-if TYPE_CHECKING:
-    from coordinator import CoordinatorCollector, CoordinatorContext
+from coordinator._operator_api import default_hook
 
-    from ._runtime.task import PartitionCollector, PartitionContext
+if TYPE_CHECKING:
+    from coordinator import (
+        CoordinatorCollector,
+        CoordinatorContext,
+        PartitionCollector,
+        PartitionContext,
+    )
 
 __all__ = ["CoordinatorOperator", "IterationListener", "PartitionOperator"]
 
@@ -63,6 +68,7 @@ class PartitionOperator(IterationListener):
         A per-round operator (``PER_ROUND`` lifecycle or ``for_each_round``) is closed
         right after the watermark callback of its round: its end of input."""
 
+    @default_hook
     def snapshot_state(self) -> Any:
         """Optional: the operator's state as a picklable value. Used to carry an
         all-round operator from one round job to the next (replayed streams) and for
@@ -72,6 +78,7 @@ class PartitionOperator(IterationListener):
         is written."""
         return None
 
+    @default_hook
     def restore_state(self, state: Any) -> None:
         """Optional: restore what ``snapshot_state`` returned (after ``open``)."""
 
@@ -99,10 +106,12 @@ class CoordinatorOperator(IterationListener):
         """Called after ``on_iteration_terminated``; a per-round coordinator operator is
         closed after the watermark callback of its round."""
 
+    @default_hook
     def snapshot_state(self) -> Any:
         """Optional: the operator's state for a checkpoint; without it the operator
         object itself is pickled into the checkpoint."""
         return None
 
+    @default_hook
     def restore_state(self, state: Any) -> None:
         """Optional: restore what ``snapshot_state`` returned (after ``open``)."""

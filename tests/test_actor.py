@@ -157,6 +157,7 @@ def test_a_direct_report_where_the_tree_has_group_actors_fails_instead_of_hangin
     c._tree = CoordinatorTree(TreeSpec(cloudpickle.dumps("sum"), fan_in=2), 4, start_groups=False)
     assert len(c._tree.bounds) == 2
     c._tree.groups = ["group 0", "group 1"]  # ... so stand in for the two of them
+    c.core.tree = c.core.tree_groups = True
 
     async def main():
         return await asyncio.wait_for(c.report(1, 0, 0, Emissions(), [1]), 5)

@@ -43,8 +43,8 @@ from coordinator import (
     CheckpointSpec,
     CoordinatorSpec,
     OnlineCoordinator,
+    OnlineStatus,
     OutputRecord,
-    Progress,
     RuntimeHooks,
     normalize_variables,
 )
@@ -69,7 +69,6 @@ from .task import (
     PartitionContext,
     _coordinator,
     _guard,
-    _resolve,
     _TaskSteps,
 )
 
@@ -348,7 +347,7 @@ def _run_partition(
     )
     op: Any = None
     try:
-        with _guard(task, lambda: _coordinator(plan)):  # type: ignore[arg-type]
+        with _guard(task, lambda: _coordinator(plan)):
             op = _load_operator(task, plan.operator)
             summary = _train_partition(plan, task, op, batch_id, round_, batches)
     finally:
@@ -378,20 +377,19 @@ def _train_partition(
 ) -> dict[str, Any]:
     """The micro-batch partition's callbacks, each through ``task.call`` (so a failure
     or a stall names it); returns the partition's summary for the driver."""
-    import ray
-
     ctx, coord, pid = task.ctx, task.coord, task.pid
+    assert coord is not None  # connected by ``_guard``
     out = PartitionCollector(False)
     rows = 0
     dead: list[pa.RecordBatch] = []
     task.call(op, "open", ctx)
-    payload = task.ask(coord.variables.remote(-1))
+    payload = task.ask(coord.variables(-1))
     task.step("reading the variables")
     ctx.variables_version = payload.version
-    task.call(op, "process_variables", _resolve(payload), ctx, out)
+    task.call(op, "process_variables", coord.resolve(payload), ctx, out)
     # async: one variables request in flight, taken when it has arrived (never a
     # blocking round trip per Arrow batch)
-    pending = coord.variables.remote(ctx.variables_version) if plan.staleness is None else None
+    pending = coord.variables(ctx.variables_version) if plan.staleness is None else None
     task.step("reading the data")
     for batch in batches:
         if plan.numeric_columns:
@@ -401,14 +399,13 @@ def _train_partition(
             if not batch.num_rows:
                 continue
         if pending is not None:
-            ready, _ = ray.wait([pending], timeout=0)
-            if ready:
-                newer = ray.get(pending)
+            if pending.ready():
+                newer = pending.result()
                 if newer is not None:
                     task.step("reading the variables")
                     ctx.variables_version = newer.version
-                    task.call(op, "process_variables", _resolve(newer), ctx, out)
-                pending = coord.variables.remote(ctx.variables_version)
+                    task.call(op, "process_variables", coord.resolve(newer), ctx, out)
+                pending = coord.variables(ctx.variables_version)
         rows += batch.num_rows
         task.call(op, "process_data", 0, batch, ctx, out)
         task.step("reading the data")
@@ -417,7 +414,7 @@ def _train_partition(
     if dead and plan.dead_letter_path is not None:
         task.step("writing the malformed rows to the dead-letter path")
         _write_dead_letters(plan.dead_letter_path, batch_id, pid, dead)
-    task.ask(coord.online_report.remote(batch_id, pid, out._em))
+    task.ask(coord.online_report(batch_id, pid, out._em))
     return {"partition": pid, "rows": rows, "dead": sum(b.num_rows for b in dead)}
 
 
@@ -684,7 +681,7 @@ class OnlineIteration:
         #: the user has been given it (by await_termination, exception or stop)
         self._failed = failed if failed is not None else []
         self._reported = False
-        self._final: dict[str, Any] | None = None
+        self._final: OnlineStatus | None = None
         self.lost_batches = tuple(lost_batches)
         self._files_waiting = files_waiting
         self._lag: tuple[float, int | None] = (-1.0, None)  # (when, value): listing is not free
@@ -709,20 +706,20 @@ class OnlineIteration:
         s = self._final if self._final is not None else ray.get(self._actor.online_state.remote())
         now = time.time()
         return OnlineProgress(
-            batches=s["batches"],
-            rows=s["rows"],
-            dead_letters=s["dead_letters"],
-            epoch_watermark=s["round"] - 1,
-            last_loss=s["last_loss"],
-            version=s["version"],
-            last_batch_id=s["committed"],
-            last_commit=s["last_commit"],
-            dead_files=s["dead_files"],
-            batches_per_s=s["batches_per_s"],
-            rows_per_s=s["rows_per_s"],
+            batches=s.batches,
+            rows=s.rows,
+            dead_letters=s.dead_letters,
+            epoch_watermark=s.round - 1,
+            last_loss=s.last_loss,
+            version=s.version,
+            last_batch_id=s.committed,
+            last_commit=s.last_commit,
+            dead_files=s.dead_files,
+            batches_per_s=s.batches_per_s,
+            rows_per_s=s.rows_per_s,
             lag_files=self._lag_files(),
             last_checkpoint_age_s=(
-                now - s["last_checkpoint"] if s["last_checkpoint"] is not None else None
+                now - s.last_checkpoint if s.last_checkpoint is not None else None
             ),
             lost_batches=self.lost_batches,
         )
@@ -893,25 +890,24 @@ def _spark_last_commit(location: str) -> int | None:
     return max(ids) if ids else None
 
 
-def _at_risk(state: dict[str, Any], spark_last: int | None) -> tuple[int, ...]:
+def _at_risk(state: OnlineStatus, spark_last: int | None) -> tuple[int, ...]:
     """Batch ids Spark will not run again whose update the restored state lacks."""
-    committed = state["committed"]
-    restore = state.get("restore") or {}
+    committed = state.committed
     if spark_last is not None:
         return tuple(range(committed + 1, spark_last + 1))
     # no commit log to hold against: anything newer on disk than what was restored
-    newest = restore.get("newest_on_disk", -1)
-    damaged = bool(restore.get("skipped") or restore.get("unusable"))
-    return tuple(range(committed + 1, newest + 1)) if damaged else ()
+    restore = state.restore
+    damaged = bool(restore.skipped or restore.unusable)
+    return tuple(range(committed + 1, restore.newest_on_disk + 1)) if damaged else ()
 
 
 def _checkpoint_error(
-    location: str, state: dict[str, Any], at_risk: tuple[int, ...], spark_last: int | None
+    location: str, state: OnlineStatus, at_risk: tuple[int, ...], spark_last: int | None
 ) -> OnlineCheckpointError:
-    restore = state.get("restore") or {}
-    problems = [f"{p}: {why}" for p, why in restore.get("skipped", [])]
-    problems += [f"journal of batch {b}: {why}" for b, why in restore.get("unusable", [])]
-    committed = state["committed"]
+    restore = state.restore
+    problems = [f"{p}: {why}" for p, why in restore.skipped]
+    problems += [f"journal of batch {b}: {why}" for b, why in restore.unusable]
+    committed = state.committed
     base = f"the state after batch {committed}" if committed >= 0 else "the initial variables"
     ids = ", ".join(map(str, at_risk[:20])) + (" ..." if len(at_risk) > 20 else "")
     log_note = (
@@ -1030,9 +1026,9 @@ def iterate_unbounded_streams(
     )
     actor = launch(actor_class(OnlineCoordinator), name, spec)
     state = ray.get(actor.online_state.remote())
-    if state["failures"]:
+    if state.failures:
         kill(actor, "the online coordinator")
-        failure = state["failures"][0]
+        failure = state.failures[0]
         raise IterationConfigError(
             f"the online coordinator could not start: {failure}"
         ) from failure
@@ -1049,12 +1045,12 @@ def iterate_unbounded_streams(
                 "lost (Spark committed them; the restored state is after batch %d)",
                 cfg.name or "online",
                 list(lost),
-                state["committed"],
+                state.committed,
             )
-    resumed = state["committed"] >= 0
+    resumed = state.committed >= 0
     where: dict[str, Any] = {
-        "committed": state["committed"],
-        "round": state["round"],
+        "committed": state.committed,
+        "round": state.round,
         "redelivered": False,
         "newest_file": None,  # modification time of the newest file trained on (lag)
     }
@@ -1140,25 +1136,15 @@ def iterate_unbounded_streams(
             if dead_letter_path is not None:
                 _write_bad_files(dead_letter_path, batch_id, bad)
         commit = ray.get(actor.commit_batch.remote(batch_id, rows, dead, len(bad)))
-        if commit["failure"] is not None:
-            failures = _recorded_failures(actor) or [commit["failure"]]
+        if commit.failure is not None:
+            failures = _recorded_failures(actor) or [commit.failure]
             raise _batch_failed(batch_id, failures) from failures[0]
-        if commit["applied"]:
-            where["committed"], where["round"] = batch_id, commit["round"]
-        _deliver(batch_id, commit["outputs"])
+        if commit.applied:
+            where["committed"], where["round"] = batch_id, commit.round
+        _deliver(batch_id, commit.outputs)
         if printer.enabled:
             s = ray.get(actor.online_state.remote())
-            printer.update(
-                Progress(
-                    aligned=s["round"],
-                    epochs=s["round"],
-                    last_epoch_seconds=time.perf_counter() - started,
-                    loss=s["last_loss"],
-                    terminated_by=None,
-                    done=False,
-                    failed=False,
-                )
-            )
+            printer.update_online(s, time.perf_counter() - started)
         if cfg.hooks is not None:
             cfg.hooks.after_batch(batch_id, resumed=resumed)
 
@@ -1244,7 +1230,7 @@ def _recorded_failures(actor: Any) -> list[Any]:
     import ray
 
     try:
-        return list(ray.get(actor.online_state.remote(), timeout=30)["failures"])
+        return list(ray.get(actor.online_state.remote(), timeout=30).failures)
     except Exception:
         return []
 

@@ -1,5 +1,6 @@
 """A live progress line on the driver: epoch, loss, seconds per epoch, rows per second
-and, when subtasks run apart (async, bounded staleness), the slowest and fastest."""
+and, when subtasks run apart (async, bounded staleness), the slowest and fastest; for an
+online iteration the micro-batch, its round, loss and seconds."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from coordinator import Progress
+from coordinator import OnlineStatus, Progress
 
 __all__ = ["ProgressPrinter"]
 
@@ -60,17 +61,34 @@ class ProgressPrinter:
 
     def update(self, p: Progress, *, final: bool = False) -> None:
         # async: the subtasks' own epochs move between global alignments
-        key = (p.epochs, p.subtask_epochs)
+        if self._due((p.epochs, p.subtask_epochs), final):
+            line = self._line(p)
+            if final:
+                line += f"  done: {p.terminated_by or ('failed' if p.failed else '?')}"
+            self._write(line, final)
+
+    def update_online(self, s: OnlineStatus, batch_seconds: float) -> None:
+        """An online iteration committed micro-batch ``s.committed`` in ``batch_seconds``."""
+        if self._due((s.batches, ()), False):
+            line = (
+                f"[{self.label}] micro-batch {s.committed:>6}  round {s.round:>6}  "
+                f"loss {self._fmt_loss(s.last_loss):>12}  {batch_seconds * 1000:>10.1f} ms/batch"
+            )
+            if s.rows_per_s:
+                line += f"  {self._fmt_rate(s.rows_per_s):>14}"
+            self._write(line + f"  elapsed {time.perf_counter() - self._start:6.1f}s", False)
+
+    def _due(self, key: tuple[int, tuple[int, ...]], final: bool) -> bool:
         if not self.enabled or (key == self._last_key and not final):
-            return
+            return False
         now = time.perf_counter()
         if not final and not self.tty and now - self._last_print < 1.0:
-            return
+            return False
         self._last_key = key
         self._last_print = now
-        line = self._line(p)
-        if final:
-            line += f"  done: {p.terminated_by or ('failed' if p.failed else '?')}"
+        return True
+
+    def _write(self, line: str, final: bool) -> None:
         if self.tty:
             pad = max(self._width - len(line), 0)
             self.stream.write("\r" + line + " " * pad + ("\n" if final else ""))

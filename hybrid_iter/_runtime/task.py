@@ -1,6 +1,8 @@
-"""The task-side runtime: joins a Spark task (one subtask) to the coordinator actor.
+"""The task-side runtime: joins a Spark task (one subtask) to the coordinator.
 
-Runs inside a Spark Python worker. Two ways to run a subtask, one code path:
+Runs inside a Spark Python worker. The coordinator is reached through a
+``coordinator.CoordinatorLink`` (Ray's; in tests the in-process coordinator's), so this
+code does not know the transport. Two ways to run a subtask, one code path:
 
 * ``run_subtask``: the whole iteration in one barrier task (no stream replayed): read
   the data once, then one actor call (``report``) per epoch, which in sync mode returns
@@ -25,12 +27,19 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from coordinator import Emissions, RemoteFailure, RuntimeHooks, VariablesPayload
-from coordinator._checkpoint import dumps_state
+from coordinator import (
+    CoordinatorLink,
+    Emissions,
+    Pending,
+    RayLink,
+    RemoteFailure,
+    RuntimeHooks,
+)
+from coordinator._checkpoint import dump_operator, restore_operator
+from coordinator._operator_api import PartitionCollector, PartitionContext
 from coordinator._tree import TreeSpec, precombine
-from coordinator._variables import fetch_all
 
-from .._errors import ConfigTypeError, DataValidationError, UsageError
+from .._errors import DataValidationError, UsageError
 
 __all__ = ["PartitionCollector", "PartitionContext", "TaskPlan", "run_round", "run_subtask"]
 
@@ -74,93 +83,29 @@ class TaskPlan:
     max_epochs: int | None = None
 
 
-class PartitionContext:
-    """What a partition operator can see. Runs in a Spark task.
-
-    ``epoch`` is the subtask's current epoch; ``global_epoch_watermark`` the newest
-    global alignment it has heard of (in sync mode equal to ``epoch`` inside
-    ``on_epoch_watermark_incremented``); ``terminating`` is True only in the terminating
-    round's per-round operators (variables, no data; docs/semantics.md).
-    """
-
-    def __init__(self, partition_id: int, num_partitions: int, staleness: int | None) -> None:
-        self.partition_id = partition_id
-        self.num_partitions = num_partitions
-        self.staleness = staleness
-        self.epoch = 0
-        self.global_epoch_watermark = -1
-        self.variables_version = -1
-        #: True while the terminating round's per-round operators run (their round has
-        #: the variables fed back into it but no data: replay stopped at termination)
-        self.terminating = False
-
-    @property
-    def is_sync(self) -> bool:
-        return self.staleness == 0
-
-
-class PartitionCollector:
-    """``out`` of partition-operator callbacks. Runs in a Spark task."""
-
-    def __init__(self, has_criteria: bool, *, per_round: bool = False) -> None:
-        self._has_criteria = has_criteria
-        self._per_round = per_round
-        self._em = Emissions()
-
-    def _bind(self, em: Emissions) -> None:
-        self._em = em
-
-    def feedback(self, value: Any) -> None:
-        """Send ``value`` to the coordinator tier's ``process_feedback``."""
-        (self._em.round_feedback if self._per_round else self._em.feedback).append(value)
-
-    def output(self, tag: str, value: Any) -> None:
-        """Emit a record to the iteration's outputs under ``tag``."""
-        if not isinstance(tag, str) or not tag:
-            raise ConfigTypeError(f"output tag must be a non-empty string, got {tag!r}")
-        self._em.outputs.append((tag, value))
-
-    def criteria(self, value: Any = 1) -> None:
-        """Emit a termination-criteria record: the iteration continues this epoch."""
-        if not self._has_criteria:
-            raise UsageError(
-                "out.criteria() was called but the IterationBody has no criteria stream; "
-                "pass IterationBody(..., criteria=True)"
-            )
-        self._em.criteria += 1
-
-
 class _Aborted(Exception):
     """The coordinator answered with another participant's failure."""
 
 
-_handles: dict[tuple[str, str], Any] = {}
-#: feedback_combine: (run, attempt, partition) -> (group actor or None, combiner)
+_links: dict[tuple[str, str], RayLink] = {}
+#: feedback_combine: (run, attempt, partition) -> (group link or None, combiner)
 _groups: dict[tuple[str, int, int], tuple[Any, Any]] = {}
 
 
-def _coordinator(plan: TaskPlan) -> Any:
+def _coordinator(plan: Any) -> RayLink:
+    """The Ray link to the coordinator actor ``plan.actor_name`` (cached per worker)."""
     from .ray_util import connect
 
     connect(plan.ray_address, namespace=plan.namespace)
     key = (plan.ray_address, plan.actor_name)
-    handle = _handles.get(key)
-    if handle is None:
+    link = _links.get(key)
+    if link is None:
         import ray
 
-        _handles.clear()  # one live iteration per worker at a time; drop stale handles
-        handle = _handles[key] = ray.get_actor(plan.actor_name, namespace=plan.namespace)
-    return handle
-
-
-def _resolve(payload: VariablesPayload) -> dict[str, np.ndarray]:
-    def get(refs: list[Any]) -> list[Any]:
-        import ray
-
-        return ray.get(refs)  # zero-copy, read-only views of the object store
-
-    (values,) = fetch_all([(payload.inline or {}, payload.ref)], get)
-    return dict(values)
+        _links.clear()  # one live iteration per worker at a time; drop stale handles
+        handle = ray.get_actor(plan.actor_name, namespace=plan.namespace)
+        link = _links[key] = RayLink(handle)
+    return link
 
 
 def _check_batch(plan: TaskPlan, stream: int, batch: pa.RecordBatch, pid: int) -> None:
@@ -208,7 +153,7 @@ class _TaskSteps:
         self,
         pid: int,
         ctx: PartitionContext,
-        coord: Any,
+        coord: CoordinatorLink | None,
         *,
         call_timeout: float,
         attempt: int = 0,
@@ -236,12 +181,10 @@ class _TaskSteps:
         self.where, self.user = what, False
         self.since = time.monotonic()
 
-    def ask(self, remote: Any) -> Any:
+    def ask(self, answer: Pending[Any]) -> Any:
         """Wait for a coordinator call (not timed: the coordinator waits for others)."""
-        import ray
-
         self.step("waiting for the coordinator")
-        return ray.get(remote)
+        return answer.result()
 
     def label(self) -> str:
         return (f"{self.op_name}.{self.where}" if self.user else self.where) + self.note
@@ -252,15 +195,13 @@ def _send_failure(task: _TaskSteps, failure: RemoteFailure) -> None:
     if task.coord is None:
         return
     try:
-        import ray
-
-        ray.get(task.coord.fail.remote(failure, task.attempt), timeout=30)
+        task.coord.fail(failure, task.attempt).result(timeout=30)
     except Exception:
         pass  # the coordinator is gone; Spark's own failure still reaches the driver
 
 
 @contextmanager
-def _guard(task: _TaskSteps, connect: Callable[[], Any]) -> Iterator[_TaskSteps]:
+def _guard(task: _TaskSteps, connect: Callable[[], CoordinatorLink]) -> Iterator[_TaskSteps]:
     """The body of a Spark task of an iteration, bounded and online alike: connect to
     the coordinator (``connect()`` when ``task.coord`` is None), watch the task's steps
     (``_watch``: a step without progress for ``call_timeout`` seconds fails the run),
@@ -289,7 +230,9 @@ def _guard(task: _TaskSteps, connect: Callable[[], Any]) -> Iterator[_TaskSteps]
 class _Subtask(_TaskSteps):
     """One subtask's operators, context and protocol state."""
 
-    def __init__(self, plan: TaskPlan, pid: int, coord: Any) -> None:
+    coord: CoordinatorLink
+
+    def __init__(self, plan: TaskPlan, pid: int, coord: CoordinatorLink | None) -> None:
         super().__init__(
             pid,
             PartitionContext(pid, plan.num_subtasks, plan.staleness),
@@ -336,20 +279,18 @@ class _Subtask(_TaskSteps):
         still be loading): returns the inputs, the batches read meanwhile first. Only
         what arrives before the answer is held, and the operators still see the
         variables before any data."""
-        import ray
-
-        ref = self.coord.variables.remote(-1)
+        answer = self.coord.variables(-1)
         rest = iter(inputs if inputs is not None else ())
         early: list[tuple[int, pa.RecordBatch]] = []
         if inputs is not None:
             self.step("reading the data")
-            while not ray.wait([ref], timeout=0)[0]:
+            while not answer.ready():
                 got = next(rest, None)
                 if got is None:
                     break
                 early.append(got)
-        payload = self.ask(ref)
-        self.variables = _resolve(payload)
+        payload = self.ask(answer)
+        self.variables = self.coord.resolve(payload)
         self.ctx.variables_version = payload.version
         return itertools.chain(early, rest)
 
@@ -380,8 +321,8 @@ class _Subtask(_TaskSteps):
             self.step("reading the data")
 
     def _tree_target(self) -> tuple[Any, Any]:
-        """feedback_combine: the group actor to report to (None: the coordinator) and
-        the combiner, asked of the coordinator once per launch and worker process."""
+        """feedback_combine: the group to report to (None: the coordinator) and the
+        combiner, asked of the coordinator once per launch and worker process."""
         if self._tree is None:
             key = (self.plan.run, self.plan.attempt, self.pid)
             got = _groups.get(key)
@@ -391,7 +332,7 @@ class _Subtask(_TaskSteps):
                 combiner = self.plan.tree.load()
                 if len(_groups) > 4096:
                     _groups.clear()  # stale launches; one entry per subtask run here
-                got = _groups[key] = (self.ask(self.coord.group_of.remote(self.pid)), combiner)
+                got = _groups[key] = (self.ask(self.coord.group_of(self.pid)), combiner)
             self._tree = got
         return self._tree
 
@@ -406,14 +347,14 @@ class _Subtask(_TaskSteps):
             target = group if group is not None else self.coord
         offered = (self.checkpoint_state(),) if self._offers_state() else None
         reply = self.ask(
-            target.report.remote(
+            target.report(
                 self.pid, self.k, self.ctx.variables_version, em, rows, self.plan.attempt, offered
             )
         )
         while reply.error is None and reply.need_state:  # a checkpoint: give our state, wait
             state = self.checkpoint_state()
             reply = self.ask(
-                self.coord.checkpoint_state.remote(
+                self.coord.checkpoint_state(
                     self.pid, self.k, self.ctx.variables_version, state, self.plan.attempt
                 )
             )
@@ -424,7 +365,7 @@ class _Subtask(_TaskSteps):
         self.ctx.global_epoch_watermark = reply.aligned
         if reply.variables is not None:
             self.step("reading the variables")
-            self.variables = _resolve(reply.variables)
+            self.variables = self.coord.resolve(reply.variables)
             self.ctx.variables_version = reply.variables.version
             if self.all_round is not None:
                 # the variables belong to the epoch this reply grants (or the terminating
@@ -462,7 +403,7 @@ class _Subtask(_TaskSteps):
         reporting the variables version it had processed at the cut: the coordinator
         then hands it the newer variables of that call again, *after* its state is
         restored, exactly as in the run without the fault."""
-        restored = self.ask(self.coord.restored.remote(self.pid)) if self.plan.restore else None
+        restored = self.ask(self.coord.restored(self.pid)) if self.plan.restore else None
         kind, blob = (restored[2] or (None, None)) if restored is not None else (None, None)
         inputs = self._fetch_variables(inputs)
         if not self.plan.main_per_round and kind != "object":
@@ -488,33 +429,14 @@ class _Subtask(_TaskSteps):
         return self._report()
 
     def checkpoint_state(self) -> tuple[str, bytes] | None:
-        """The all-round operator's state for a checkpoint: ``("state", its
-        snapshot_state())`` when it defines the hook, else ``("object", the pickled
-        operator)``; None without an all-round operator."""
+        """The all-round operator's state for a checkpoint (``dump_operator``'s form, as
+        the coordinator tier's); None without an all-round operator."""
         op = self.all_round
         if op is None:
             return None
-        import cloudpickle
-
-        if _defines(op, "snapshot_state"):
-            state = self.call(op, "snapshot_state")
-            self.step("pickling the state of the partition operator for a checkpoint")
-            return "state", dumps_state(
-                state,
-                f"the state snapshot_state() of the partition operator {type(op).__name__} "
-                f"(partition {self.pid}) returned",
-            )
-        self.step(f"pickling the partition operator {type(op).__name__} for a checkpoint")
-        try:
-            return "object", cloudpickle.dumps(op)
-        except Exception as ex:
-            from .._errors import IterationConfigError
-
-            raise IterationConfigError(
-                f"the partition operator {type(op).__name__} cannot be pickled for a "
-                f"checkpoint ({type(ex).__name__}: {ex}); define snapshot_state() and "
-                f"restore_state() on it, or drop what cannot be pickled"
-            ) from ex
+        name = type(op).__name__
+        self.step(f"pickling the partition operator {name} for a checkpoint")
+        return dump_operator(op, f"the partition operator {name}", self.call)
 
     def epoch(self, inputs: Iterator[tuple[int, pa.RecordBatch]] | None = None) -> bool:
         """Run epoch ``k - 1`` (granted by the last reply): its per-round operators and
@@ -553,7 +475,7 @@ class _Subtask(_TaskSteps):
             self.ctx.epoch, self.ctx.terminating = last, False
         if self.all_round is not None:
             self.call(self.all_round, "on_iteration_terminated", self.ctx, self.out)
-        self.ask(self.coord.finish.remote(self.pid, self._drain(), self.plan.attempt, round_em))
+        self.ask(self.coord.finish(self.pid, self._drain(), self.plan.attempt, round_em))
 
     def _close_round_ops(self) -> None:
         ops, self.per_round = self.per_round, []
@@ -572,15 +494,14 @@ class _Subtask(_TaskSteps):
     # -- state between round jobs -----------------------------------------------------
 
     def snapshot(self) -> bytes:
+        """What the next round job of this subtask continues from (``stash``)."""
         import cloudpickle
 
         self.step("snapshotting the partition operator")
         op = self.all_round
-        state: dict[str, Any] = {"k": self.k, "rows": self.rows, "last": self.last.aligned}
-        if op is not None and _defines(op, "snapshot_state"):
-            state["state"] = self.call(op, "snapshot_state")
-        else:
-            state["operator"] = op
+        owner = f"the partition operator {type(op).__name__}"
+        dumped = dump_operator(op, owner, self.call) if op is not None else None
+        state = {"k": self.k, "rows": self.rows, "last": self.last.aligned, "operator": dumped}
         return cloudpickle.dumps(state)
 
     def restore(self, blob: bytes | None) -> None:
@@ -593,28 +514,24 @@ class _Subtask(_TaskSteps):
         self.ctx.epoch = self.k - 1
         self.ctx.global_epoch_watermark = state["last"]
         self._fetch_variables()
-        if "state" in state:
-            self.all_round = self._load(self.plan.operator)
-            self.call(self.all_round, "open", self.ctx)
-            self.call(self.all_round, "restore_state", state["state"])
-        else:
-            self.all_round = state["operator"]
+        if state["operator"] is not None:
+
+            def fresh() -> Any:
+                op = self._load(self.plan.operator)
+                self.call(op, "open", self.ctx)
+                return op
+
+            self.all_round = restore_operator(state["operator"], fresh, self.call)
 
 
-def _defines(op: Any, method: str) -> bool:
-    """True when the operator's class overrides the base class's hook."""
-    from .._operators import PartitionOperator
-
-    return getattr(type(op), method, None) is not getattr(PartitionOperator, method)
-
-
-def _guarded(plan: TaskPlan, pid: int, body: Any) -> bytes:
+def _guarded(plan: TaskPlan, pid: int, body: Any, link: CoordinatorLink | None) -> bytes:
     """Run ``body(subtask)`` under ``_guard``: a failure of this subtask reaches the
-    coordinator (which fails the run) before Spark's."""
+    coordinator (which fails the run) before Spark's. ``link``: the coordinator (None:
+    the Ray actor ``plan.actor_name``)."""
     sub = _Subtask(plan, pid, None)
     aborted = False
     try:
-        with _guard(sub, lambda: _coordinator(plan)):
+        with _guard(sub, (lambda: link) if link is not None else (lambda: _coordinator(plan))):
             body(sub)
     except _Aborted:
         # Another participant failed and the coordinator holds its error for the driver;
@@ -660,7 +577,12 @@ def _watch(task: _TaskSteps, stop: threading.Event) -> None:
     threading.Thread(target=run, name=f"hybrid_iter-watch-{task.pid}", daemon=True).start()
 
 
-def run_subtask(plan: TaskPlan, pid: int, inputs: Iterator[tuple[int, pa.RecordBatch]]) -> bytes:
+def run_subtask(
+    plan: TaskPlan,
+    pid: int,
+    inputs: Iterator[tuple[int, pa.RecordBatch]],
+    link: CoordinatorLink | None = None,
+) -> bytes:
     """The whole iteration in one task; returns a pickled summary for the driver."""
 
     def body(sub: _Subtask) -> None:
@@ -670,11 +592,15 @@ def run_subtask(plan: TaskPlan, pid: int, inputs: Iterator[tuple[int, pa.RecordB
         sub.terminate()
         sub.close()
 
-    return _guarded(plan, pid, body)
+    return _guarded(plan, pid, body, link)
 
 
 def run_round(
-    plan: TaskPlan, round_: int, pid: int, inputs: Iterator[tuple[int, pa.RecordBatch]]
+    plan: TaskPlan,
+    round_: int,
+    pid: int,
+    inputs: Iterator[tuple[int, pa.RecordBatch]],
+    link: CoordinatorLink | None = None,
 ) -> bytes:
     """Round ``round_`` of an iteration with replayed streams (one barrier job per round)."""
 
@@ -682,12 +608,12 @@ def run_round(
         if round_ == 0:
             terminated = sub.start(inputs) or sub.epoch()
         else:
-            sub.restore(sub.ask(sub.coord.unstash.remote(pid)))
+            sub.restore(sub.ask(sub.coord.unstash(pid)))
             terminated = sub.epoch(inputs)
         if terminated:
             sub.terminate()
             sub.close()
         else:
-            sub.ask(sub.coord.stash.remote(pid, sub.snapshot()))
+            sub.ask(sub.coord.stash(pid, sub.snapshot()))
 
-    return _guarded(plan, pid, body)
+    return _guarded(plan, pid, body, link)
