@@ -110,7 +110,7 @@ def ours(
         seconds = time.perf_counter() - t
         import ray
 
-        commits = [c for c, _ in ray.get(it._actor.online_state.remote())["recent_commits"]]
+        commits = [c for c, _ in ray.get(it._actor.online_state.remote()).recent_commits]
         return seconds, it.latest_variables()["w"], commits
 
 

@@ -142,8 +142,8 @@ def job(data: str, ckpt: str, until: int, sample_every: int) -> int:
         t_started = time.perf_counter()
         print("STARTED", flush=True)
         state = ray.get(it._actor.online_state.remote())
-        first, actor_pid = state["batches"], state["pid"]
-        restore_s = state.get("restore_s")
+        first, actor_pid = state.batches, state.pid
+        restore_s = state.restore.seconds
         samples: list[dict] = []
         t_first = None
         next_sample = first

@@ -108,3 +108,22 @@ def session():
 @pytest.fixture(scope="session")
 def spark(session):
     return session.spark
+
+
+@pytest.fixture
+def validate_cores(monkeypatch):
+    """Every ``CoordinatorCore`` the test makes (also inside a coordinator it drives)
+    has its invariants checked (``validate()``) when the test ends."""
+    from coordinator import CoordinatorCore
+
+    made: list[CoordinatorCore] = []
+    init = CoordinatorCore.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(CoordinatorCore, "__init__", recording_init)
+    yield made
+    for core in made:
+        core.validate()

@@ -1,28 +1,45 @@
-"""The cut and the restore, stepped event by event without Ray (issue 15).
+"""The cut and the restore, stepped event by event without Ray.
 
-``CutProtocol`` is the pure core; the property test drives the real coordinator class
-(``IterationCoordinator``, without Ray: its methods are coroutines) with simulated
-subtasks that follow the task-side protocol of ``hybrid_iter._runtime.task`` and crash at random
-points: any call, during a checkpoint (some states in, not all), between a publish and
-its consumption, during a restore itself. Every crash relaunches the whole stage on a new
-coordinator restored from the checkpoint directory, as the driver does. A sync run must
-end bit for bit equal to the fault-free run, and every operator's callbacks after its
-restore must equal the fault-free ones after the same cut.
+``CutProtocol`` is the pure piece of the core; the property test runs the real subtask
+runtime (``hybrid_iter._runtime.task.run_subtask``, one thread per subtask) against the
+real coordinator (``IterationCoordinator``, without Ray, on an asyncio loop of this
+process) through the in-process ``CoordinatorLink``, and crashes a subtask at random
+points: before or after any coordinator call, so during a checkpoint (some states in,
+not all), between a publish and its consumption, during a restore itself. Every crash
+relaunches the whole stage on a new coordinator restored from the checkpoint directory,
+as the driver does. A sync run must end bit for bit equal to the fault-free run, and
+every operator's callbacks after its restore must equal the fault-free ones after the
+same cut.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import pickle
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import cloudpickle
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator import CheckpointSpec, CoordinatorSpec, Emissions, IterationCoordinator
+import hybrid_iter as hi
+from coordinator import (
+    CheckpointSpec,
+    CoordinatorSpec,
+    Emissions,
+    InProcessLink,
+    IterationCoordinator,
+)
 from coordinator._cut import Cut, CutError, CutProtocol, SubtaskCut
+from hybrid_iter._runtime.task import TaskPlan, run_subtask
+
+pytestmark = pytest.mark.usefixtures("validate_cores")
 
 N, EPOCHS, DIMS = 3, 9, 4
 
@@ -107,48 +124,40 @@ def test_states_sent_with_a_cuts_call_complete_the_cut_without_asking():
 
 
 class Crash(Exception):
-    """A simulated fault: the stage and its coordinator die here."""
+    """A simulated fault: a subtask dies here, and the stage with it."""
 
 
-class World:
-    """Counts the events of a run; crashes at the chosen ones, yields to vary the order."""
-
-    def __init__(self, faults: set[int], yields: list[int]) -> None:
-        self.step, self.faults, self.yields = 0, faults, yields or [0]
-        self.logs: list[dict[int, list]] = []  # one dict of per-subtask logs per launch
-
-    async def tick(self) -> None:
-        self.step += 1
-        for _ in range(self.yields[self.step % len(self.yields)]):
-            await asyncio.sleep(0)
-        if self.step in self.faults:
-            raise Crash(self.step)
+#: the callbacks of each launch's partition operators: LAUNCHES[-1][pid] is the newest
+LAUNCHES: list[dict[int, list]] = []
 
 
-class Grad:
+class Grad(hi.PartitionOperator):
     """A partition operator keeping a private copy of the variables (restored through
     snapshot_state) and emitting a record when variables arrive (a record that must not
-    be lost at a restore)."""
+    be lost at a restore). Logs its callbacks in its launch's log."""
 
-    def __init__(self, pid: int, log: list) -> None:
-        self.pid, self.log, self.w, self.version = pid, log, None, -1
+    def open(self, ctx):
+        self.pid, self.w, self.version = ctx.partition_id, None, -1
+        self.log = LAUNCHES[-1][ctx.partition_id]
 
-    def process_variables(self, values, version, em: Emissions) -> None:
-        self.w, self.version = np.array(values["w"]), version
-        self.log.append(("variables", version, self.w.tobytes()))
-        em.outputs.append(("seen", (self.pid, version)))
+    def process_variables(self, variables, ctx, out):
+        self.w, self.version = np.array(variables["w"]), ctx.variables_version
+        self.log.append(("variables", self.version, self.w.tobytes()))
+        out.output("seen", (self.pid, self.version))
 
-    def watermark(self, epoch: int, em: Emissions) -> None:
+    def process_data(self, stream, batch, ctx, out):
+        out.output("loaded", self.pid)  # a record of loading (applied before any cut)
+
+    def on_epoch_watermark_incremented(self, epoch, ctx, out):
         self.log.append(("watermark", epoch, self.w.tobytes()))
         target = np.arange(DIMS, dtype=float) * (self.pid + 1) / 7.0
-        em.feedback.append((self.w - target) * (self.pid + 1.5) / 3.0)
+        out.feedback((self.w - target) * (self.pid + 1.5) / 3.0)
 
-    def snapshot(self) -> bytes:
+    def snapshot_state(self):
         self.log.append(("snapshot",))
-        return cloudpickle.dumps({"w": self.w, "version": self.version})
+        return {"w": self.w, "version": self.version}
 
-    def restore(self, blob: bytes) -> None:
-        state = cloudpickle.loads(blob)
+    def restore_state(self, state):
         self.w, self.version = state["w"], state["version"]
         self.log.append(("restored",))
 
@@ -183,7 +192,7 @@ class Kickoff(Momentum):
         super().on_epoch_watermark_incremented(epoch, ctx, out)
 
 
-def _spec(directory: str, *, restore: bool, every: int) -> CoordinatorSpec:
+def _spec(directory: str, *, restore: bool, every: int, attempt: int) -> CoordinatorSpec:
     return CoordinatorSpec(
         num_subtasks=N,
         num_streams=1,
@@ -193,87 +202,136 @@ def _spec(directory: str, *, restore: bool, every: int) -> CoordinatorSpec:
         init_variables={"w": np.zeros(DIMS)},
         operators=cloudpickle.dumps((Kickoff(), None, [])),
         checkpoint=CheckpointSpec(directory, every_epochs=every, keep_last=2, restore=restore),
+        attempt=attempt,
     )
 
 
-async def _subtask(
-    world: World,
-    coord: IterationCoordinator,
-    pid: int,
-    attempt: int,
-    log,
-    *,
-    every: int,
-    offers: bool,
-):
-    """One subtask, following ``hybrid_iter._runtime.task._Subtask``'s protocol;
-    ``offers``: it sends its state with a cut's call (else only when asked)."""
-    restored = await coord.restored(pid)
-    await world.tick()
-    payload = await coord.variables(-1)
-    op, em = Grad(pid, log), Emissions()
-    op.process_variables(payload.inline, payload.version, em)
-    em.outputs.append(("loaded", pid))  # a record of loading (applied before any cut)
-    k, version, restored_call = 0, payload.version, -1
-    if restored is not None:
-        call, known_version, state = restored
-        em = Emissions()  # records of reloading were applied before the checkpoint
-        op.restore(state[1])
-        k, version, restored_call = call, known_version, call
-    await world.tick()
-    while True:
-        offered = None
-        if offers and 1 <= k < EPOCHS and k % every == 0 and k != restored_call:
-            offered = (("state", op.snapshot()),)
-            await world.tick()
-        reply = await coord.report(pid, k, version, em, [1] if k == 0 else None, attempt, offered)
-        while reply.error is None and reply.need_state:
-            await world.tick()
-            state = ("state", op.snapshot())
-            await world.tick()
-            reply = await coord.checkpoint_state(pid, k, version, state, attempt)
-        assert reply.error is None, reply.error
-        await world.tick()
-        k += 1
-        em = Emissions()
-        if reply.variables is not None:
-            op.process_variables(reply.variables.inline, reply.variables.version, em)
-            version = reply.variables.version
-            await world.tick()
-        if reply.terminated:
-            await coord.finish(pid, em, attempt)
-            return
-        op.watermark(k - 1, em)
-        await world.tick()
+def _plan(every: int, attempt: int, restore: bool) -> TaskPlan:
+    return TaskPlan(
+        ray_address="",
+        namespace="",
+        actor_name="in-process",
+        operator=cloudpickle.dumps(Grad()),
+        num_subtasks=N,
+        numeric_columns=(None,),
+        staleness=0,
+        has_criteria=False,
+        attempt=attempt,
+        restore=restore,
+        checkpoint_every=every,
+        max_epochs=EPOCHS,
+    )
 
 
-async def _run(world: World, directory: str, every: int, offering: frozenset[int] = frozenset()):
+class FaultyLink:
+    """The in-process link, counting every coordinator call of the run (a step before
+    it is sent, one after its answer arrives) and crashing at the chosen steps."""
+
+    def __init__(self, link: InProcessLink, faults: set[int], counter: list[int]) -> None:
+        self._link, self._faults, self._counter = link, faults, counter
+        self._lock = threading.Lock()
+
+    def _tick(self) -> None:
+        with self._lock:
+            self._counter[0] += 1
+            step = self._counter[0]
+        if step in self._faults:
+            raise Crash(step)
+
+    def resolve(self, payload):
+        return self._link.resolve(payload)
+
+    def fail(self, failure, attempt):
+        return self._link.fail(failure, attempt)  # reporting a crash never crashes
+
+    def __getattr__(self, method):
+        call = getattr(self._link, method)
+
+        def crashing(*args):
+            self._tick()
+            answer = call(*args)
+            link = self
+
+            class Answer:
+                def ready(self):
+                    return answer.ready()
+
+                def result(self, timeout=None):
+                    got = answer.result(timeout)
+                    link._tick()
+                    return got
+
+            return Answer()
+
+        return crashing
+
+
+@contextmanager
+def _loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """An asyncio loop run by a thread of its own: where the coordinator lives."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
+def _launch(
+    plan: TaskPlan, link: FaultyLink, offering: frozenset[int]
+) -> dict[int, Exception | None]:
+    """Run the stage: every subtask in a thread of its own; how each ended."""
+    batch = pa.record_batch({"x": pa.array([1.0])})
+    outcome: dict[int, Exception | None] = {}
+
+    def subtask(pid: int) -> None:
+        # a subtask that does not offer its state with a cut's call is asked for it
+        own = plan if pid in offering else dataclasses.replace(plan, checkpoint_every=0)
+        try:
+            run_subtask(own, pid, iter([(0, batch)]), link)
+            outcome[pid] = None
+        except Exception as ex:
+            outcome[pid] = ex
+
+    threads = [threading.Thread(target=subtask, args=(p,)) for p in range(N)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive(), "a subtask hangs"
+    return outcome
+
+
+def _run(faults: set[int], directory: str, every: int, offering: frozenset[int] = frozenset()):
+    """Launch the stage until it ends without a crash, as the driver does; returns the
+    result, the checkpoint info and the launches' operator logs."""
+    LAUNCHES.clear()
+    counter = [0]
     attempt, restore = 0, False
-    while True:
-        coord = IterationCoordinator(_spec(directory, restore=restore, every=every))
-        assert not coord._failures, coord._failures
-        coord.begin_attempt(attempt)
-        if attempt:  # a call of the dead launch arrives late: fenced off, no effect
-            stale = await coord.report(0, 1, -1, Emissions(feedback=[np.ones(DIMS)]), None, 0)
-            assert stale.error is not None and stale.error.type_name == "StaleAttempt"
-        logs: dict[int, list] = {pid: [] for pid in range(N)}
-        world.logs.append(logs)
-        tasks = [
-            asyncio.ensure_future(
-                _subtask(world, coord, pid, attempt, logs[pid], every=every, offers=pid in offering)
+    with _loop() as loop:
+        while True:
+            coord = IterationCoordinator(
+                _spec(directory, restore=restore, every=every, attempt=attempt)
             )
-            for pid in range(N)
-        ]
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        crashed = [t for t in done if t.exception() is not None]
-        if not crashed:
-            return coord.result(), coord.checkpoint_info()
-        for t in crashed:
-            assert isinstance(t.exception(), Crash), t.exception()
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        attempt, restore = attempt + 1, True
+            assert not coord.core.failures, coord.core.failures
+            link = InProcessLink(coord, loop)
+            if attempt:  # a call of the dead launch arrives late: fenced off, no effect
+                late = Emissions(feedback=[np.ones(DIMS)])
+                stale = link.report(0, 1, -1, late, None, attempt - 1, None).result(30)
+                assert stale.error is not None and stale.error.type_name == "StaleAttempt"
+            LAUNCHES.append({pid: [] for pid in range(N)})
+            outcome = _launch(
+                _plan(every, attempt, restore), FaultyLink(link, faults, counter), offering
+            )
+            crashed = [ex for ex in outcome.values() if ex is not None]
+            if not crashed:
+                return coord.result(), coord.checkpoint_info(), list(LAUNCHES)
+            for ex in crashed:
+                assert isinstance(ex, Crash), ex
+            attempt, restore = attempt + 1, True
 
 
 def _after(log: list, marker: str) -> list:
@@ -284,10 +342,9 @@ def _after(log: list, marker: str) -> list:
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
-    world = World(set(), [0])
-    result, info = asyncio.run(_run(world, str(tmp_path_factory.mktemp("clean")), 3))
+    result, info, launches = _run(set(), str(tmp_path_factory.mktemp("clean")), 3)
     assert not info["restored_from"] and len(info["checkpoints"]) == 2
-    return result, world.logs[0]
+    return result, launches[0]
 
 
 @settings(
@@ -297,24 +354,21 @@ def clean(tmp_path_factory):
 )
 @given(
     faults=st.sets(st.integers(min_value=1, max_value=200), max_size=3),
-    yields=st.lists(st.integers(min_value=0, max_value=3), max_size=8),
     offering=st.frozensets(st.integers(min_value=0, max_value=N - 1)),
 )
 def test_a_sync_run_with_faults_anywhere_equals_the_fault_free_run(
-    clean, tmp_path_factory, faults, yields, offering
+    clean, tmp_path_factory, faults, offering
 ):
     """... whichever subtasks send their state with a cut's call and which wait to be
     asked (the clean run: every subtask is asked)."""
     clean_result, clean_logs = clean
-    world = World(faults, yields)
-    result, info = asyncio.run(_run(world, str(tmp_path_factory.mktemp("faulty")), 3, offering))
+    result, info, launches = _run(faults, str(tmp_path_factory.mktemp("faulty")), 3, offering)
     assert result.variables["w"].tobytes() == clean_result.variables["w"].tobytes()
     assert result.epochs == clean_result.epochs == EPOCHS
     assert [(r.tag, r.epoch, r.source, r.value) for r in result.outputs] == [
         (r.tag, r.epoch, r.source, r.value) for r in clean_result.outputs
     ]
-    last = world.logs[-1]
-
+    last = launches[-1]
     for pid in range(N):
         if info["restored_from"]:
             # after restore_state: exactly the fault-free callbacks after the same cut

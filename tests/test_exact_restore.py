@@ -350,9 +350,9 @@ def test_an_online_restore_keeps_a_0d_variable_and_datetime_outputs(tmp_path):
     c = _online(tmp_path)
     for b in range(3):
         asyncio.run(c.online_report(b, 0, Emissions(feedback=[np.array(1.0)])))
-        assert c.commit_batch(b, 1, 0)["applied"]
+        assert c.commit_batch(b, 1, 0).applied
     r = _online(tmp_path)
-    assert r.online_state()["committed"] == 2
+    assert r.online_state().committed == 2
     assert_same(c.latest_variables(), r.latest_variables(), "variables")
     assert r.latest_variables()["n"].shape == ()
     batch, outputs = r.last_outputs()

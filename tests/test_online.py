@@ -330,7 +330,7 @@ def test_state_stays_bounded_and_stop_drains(spark, tmp_path):
             time.sleep(0.05)  # polling a condition, with a deadline as the safety net
         state = ray.get(it._actor.online_state.remote())
         it.stop()
-        assert state["held_outputs"] == 0
+        assert state.held_outputs == 0
         progress = it.progress  # still answers after stop()
         assert progress.batches >= target
         assert progress.batches_per_s > 0 and progress.rows_per_s > 0

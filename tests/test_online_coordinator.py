@@ -14,6 +14,7 @@ import pytest
 from online_ops import Total
 
 from coordinator import CheckpointSpec, CoordinatorSpec, Emissions, OnlineCoordinator
+from coordinator._online import OnlineLedger
 
 
 def _spec(staleness, checkpoint=None):
@@ -70,8 +71,8 @@ def expected(n):
 def test_a_corrupt_newest_snapshot_is_rebuilt_from_the_journal(tmp_path, staleness):
     c = make(tmp_path, staleness)
     for b, parts in enumerate(BATCHES):
-        assert feed(c, b, parts, dead=b)["applied"]
-    assert c.online_state()["held_outputs"] == 0  # delivered: not kept
+        assert feed(c, b, parts, dead=b).applied
+    assert c.online_state().held_outputs == 0  # delivered: not kept
     d = tmp_path / "hybrid_iter"
     assert sorted(p.name for p in d.iterdir()) == [
         "chk-0000000002.ckpt",
@@ -81,14 +82,14 @@ def test_a_corrupt_newest_snapshot_is_rebuilt_from_the_journal(tmp_path, stalene
     (d / "chk-0000000003.ckpt").write_bytes(b"garbage")
     r = make(tmp_path, staleness)
     s = r.online_state()
-    assert s["restore"]["replayed"] == [3] and s["restore"]["skipped"]
-    assert (s["committed"], s["batches"], s["rows"], s["dead_letters"]) == (3, 4, 17, 6)
+    assert s.restore.replayed == [3] and s.restore.skipped
+    assert (s.committed, s.batches, s.rows, s.dead_letters) == (3, 4, 17, 6)
     np.testing.assert_array_equal(r.latest_variables()["total"], expected(4))
     assert r.last_outputs()[0] == 3  # the last batch's outputs, for a replay
-    assert not feed(r, 3, BATCHES[3])["applied"]  # Spark's replay of batch 3: ignored
+    assert not feed(r, 3, BATCHES[3]).applied  # Spark's replay of batch 3: ignored
     np.testing.assert_array_equal(r.latest_variables()["total"], expected(4))
     # the damaged snapshot was replaced by one written from the rebuilt state
-    assert make(tmp_path, staleness).online_state()["restore"]["skipped"] == []
+    assert make(tmp_path, staleness).online_state().restore.skipped == []
 
 
 @pytest.mark.usefixtures("session")
@@ -100,8 +101,8 @@ def test_snapshot_and_journal_lost_is_reported_not_guessed(tmp_path):
     (d / "chk-0000000003.ckpt").write_bytes(b"garbage")
     (d / "jrn-000000000003.ckpt").unlink()
     s = make(tmp_path).online_state()
-    assert s["committed"] == 2 and s["restore"]["newest_on_disk"] == 3
-    assert s["restore"]["skipped"]  # the driver holds this against Spark's commit log
+    assert s.committed == 2 and s.restore.newest_on_disk == 3
+    assert s.restore.skipped  # the driver holds this against Spark's commit log
 
 
 @pytest.mark.usefixtures("session")
@@ -114,7 +115,7 @@ def test_a_journal_never_applies_across_a_gap(tmp_path):
         (d / name).write_bytes(b"garbage")
     s = make(tmp_path).online_state()
     # no snapshot left and the journal starts at batch 3: nothing is applied out of order
-    assert s["committed"] == -1 and s["restore"]["unusable"][0][0] == 3
+    assert s.committed == -1 and s.restore.unusable[0][0] == 3
 
 
 @pytest.mark.parametrize("staleness", [0, None])
@@ -124,6 +125,27 @@ def test_result_counts_feedback_per_partition(staleness):
     (it once enumerated the keys of the online coordinator's Counter instead)."""
     c = pure_coordinator(staleness)
     for b, parts in enumerate([[[1, 0, 0, 0, 0]] * 3, [[1, 0, 0, 0, 0]], [[1, 0, 0, 0, 0]] * 2]):
-        assert feed(c, b, parts)["applied"]
+        assert feed(c, b, parts).applied
     assert c.result().feedback_counts == {0: 3, 1: 2, 2: 1}
     np.testing.assert_array_equal(c.latest_variables()["total"], [6, 0, 0, 0, 0])
+
+
+# -- the pure ledger -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_the_ledger_counts_a_batch_once_whatever_spark_replays_or_retries(sync):
+    ledger = OnlineLedger(sync=sync)
+    first, retry = Emissions(feedback=[1]), Emissions(feedback=[2])
+    assert ledger.report(0, 0, first) == ("held" if sync else "apply")
+    # a task Spark retries inside the batch: sync keeps the retry's, async the first's
+    assert ledger.report(0, 0, retry) == ("held" if sync else "old")
+    assert ledger.entries(0) == [(0, retry if sync else first)]
+    ledger.close(0, rows=5, dead_letters=1, dead_files=0, now=10.0)
+    assert (ledger.committed, ledger.round, ledger.rows) == (0, 1, 5)
+    assert ledger.report(0, 1, Emissions()) == "old"  # Spark replays a committed batch
+    assert ledger.entries(0) is None
+    assert ledger.gap(1) is None and ledger.gap(2) == "batch 1 has no journal record"
+    again = OnlineLedger(sync=sync)
+    again.restore(ledger.snapshot())
+    assert again.snapshot() == ledger.snapshot()

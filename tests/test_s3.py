@@ -205,7 +205,7 @@ def test_the_online_coordinators_snapshots_and_journal_restore_from_the_bucket(s
     for batch_id in range(4):
         value = np.array([1.0, batch_id, 0, 0, 0])
         asyncio.run(first.online_report(batch_id, 0, Emissions(feedback=[value])))
-        assert first.commit_batch(batch_id, 1, 0)["applied"]
+        assert first.commit_batch(batch_id, 1, 0).applied
     assert s3.keys(bucket) == [
         "ckpt/hybrid_iter/chk-0000000002.ckpt",
         "ckpt/hybrid_iter/chk-0000000003.ckpt",
@@ -213,7 +213,7 @@ def test_the_online_coordinators_snapshots_and_journal_restore_from_the_bucket(s
     ]
     again = coordinator()  # a restarted query's coordinator reads them back
     state = again.online_state()
-    assert state["committed"] == 3
+    assert state.committed == 3
     np.testing.assert_array_equal(again.latest_variables()["total"], [4, 6, 0, 0, 0])
 
 

@@ -1,14 +1,25 @@
-"""The pure epoch/termination state machine, stepped one event at a time (no Ray)."""
+"""The pure epoch/termination state machine, stepped one event at a time (no Ray); the
+random schedules drive it inside the whole core (``CoordinatorCore.handle``)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator import EpochStateMachine, Release, StateMachineError, TerminationReason
+from coordinator import (
+    CoordinatorCore,
+    Emissions,
+    EpochStateMachine,
+    Release,
+    StateMachineError,
+    TerminationReason,
+)
+from coordinator._core import Answer, Done, Finish, Report, UserCall, Watermark
+
+pytestmark = pytest.mark.usefixtures("validate_cores")
 
 
 def sm(n=2, staleness=0, max_epochs=None, has_criteria=False):
@@ -201,7 +212,76 @@ def test_finish_after_termination():
         m.finish(0)
 
 
-@settings(max_examples=200, deadline=None)
+def drive(core: CoordinatorCore, event, publish) -> list:
+    """``core.handle(event)``, answering each user callback the way a coordinator
+    operator would (``publish(epoch)``: whether its watermark callback of ``epoch``
+    publishes); returns the other instructions, in order."""
+    out, todo = [], core.handle(event)
+    while todo:
+        *rest, last = todo
+        out += rest
+        if not isinstance(last, UserCall):
+            out.append(last)
+            break
+        counts = (
+            ((last.epoch, 1, 0),) if isinstance(last, Watermark) and publish(last.epoch) else ()
+        )
+        todo = core.handle(Done(counts=counts, version=core.version + len(counts)))
+    return out
+
+
+def run_schedule(n, staleness, max_epochs, seed, publish):
+    """Subtasks make their calls in a random order through the whole core (reports,
+    alignments, watermark callbacks, releases, termination, finish); checks the
+    staleness bound at every release and the core's invariants after every event."""
+    rng = random.Random(seed)
+    core = CoordinatorCore(
+        n,
+        num_streams=1,
+        staleness=staleness,
+        max_epochs=max_epochs,
+        has_criteria=False,
+        attempt=0,
+    )
+    next_call = dict.fromkeys(range(n), 0)
+    waiting: set[int] = set()
+    stopped: set[int] = set()
+    steps = 0
+    while len(stopped) < n:
+        steps += 1
+        assert steps < 10_000
+        idle = [p for p in range(n) if p not in stopped and p not in waiting]
+        if not idle:
+            pytest.fail(f"deadlock: every live subtask is waiting: {core.sm.pending}")
+        p = rng.choice(idle)
+        k = next_call[p]
+        em = Emissions(feedback=[1.0] if k else [])
+        waiting.add(p)
+        for ins in drive(core, Report(p, k, 0, em, [1] if k == 0 else None, 0, None, p), publish):
+            if not isinstance(ins, Answer):
+                continue
+            assert ins.error is None, ins.error
+            for pid in ins.slots:
+                waiting.discard(pid)
+                if ins.terminated:
+                    stopped.add(pid)
+                    continue
+                assert max_epochs is None or ins.epoch < max_epochs
+                if staleness is not None:
+                    slowest = min(core.sm.last_call)
+                    assert ins.epoch - slowest <= staleness, (ins, core.sm.last_call)
+                next_call[pid] = ins.epoch + 1
+        core.validate()
+    for p in range(n):
+        drive(core, Finish(p, Emissions()), publish)
+        core.validate()
+    assert core.closed
+    return core
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     n=st.integers(1, 4),
     staleness=st.one_of(st.none(), st.integers(0, 3)),
@@ -209,41 +289,17 @@ def test_finish_after_termination():
     seed=st.integers(0, 2**32 - 1),
 )
 def test_random_schedules_keep_the_staleness_bound(n, staleness, max_epochs, seed):
-    """Under any arrival order: no subtask starts an epoch more than `staleness` ahead of
-    the slowest subtask's current epoch, none starts epoch >= max_epochs, and the run
-    ends by max_epochs with every subtask told to stop."""
-    rng = random.Random(seed)
-    m = sm(n, staleness=staleness, max_epochs=max_epochs)
-    running: dict[int, int] = {}  # pid -> epoch it may run
-    next_call = dict.fromkeys(range(n), 0)
-    stopped: set[int] = set()
-    steps = 0
-    while len(stopped) < n:
-        steps += 1
-        assert steps < 10_000
-        # a subtask that is not waiting makes its next call
-        idle = [p for p in range(n) if p not in stopped and p not in m.pending]
-        if not idle:
-            pytest.fail(f"deadlock: every live subtask is waiting: {m.pending}")
-        p = rng.choice(idle)
-        m.report(p, next_call[p], feedback=1)
-        next_call[p] += 1
-        align_all(m)
-        for r in m.releasable():
-            if r.terminated:
-                stopped.add(r.pid)
-                continue
-            slowest = min(m.last_call)
-            assert r.epoch < max_epochs
-            if staleness is not None:
-                assert r.epoch - slowest <= staleness, (r, m.last_call)
-            running[r.pid] = r.epoch
-        m.validate()
-    assert m.terminated is TerminationReason.MAX_EPOCHS
-    assert m.epochs_completed == max_epochs
+    """Under any arrival order, driven through the whole core: no subtask starts an
+    epoch more than `staleness` ahead of the slowest subtask's current epoch, none starts
+    epoch >= max_epochs, and the run ends by max_epochs with every subtask told to stop."""
+    core = run_schedule(n, staleness, max_epochs, seed, publish=lambda epoch: True)
+    assert core.sm.terminated is TerminationReason.MAX_EPOCHS
+    assert core.sm.epochs_completed == max_epochs
 
 
-@settings(max_examples=200, deadline=None)
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     n=st.integers(1, 3),
     staleness=st.one_of(st.none(), st.integers(0, 2)),
@@ -255,27 +311,11 @@ def test_termination_follows_the_publishes_not_the_partition_feedback(
     n, staleness, publish_until, max_epochs, seed
 ):
     """Partitions always report feedback; the coordinator publishes in epochs
-    < publish_until. Under any arrival order the iteration ends at alignment
-    max(1, min(publish_until + 1, max_epochs)): by no_variables_published unless
-    max_epochs comes first; neither has a terminating round to run."""
-    rng = random.Random(seed)
-    m = sm(n, staleness=staleness, max_epochs=max_epochs)
-    next_call = dict.fromkeys(range(n), 0)
-    stopped: set[int] = set()
-    steps = 0
-    while len(stopped) < n:
-        steps += 1
-        assert steps < 10_000
-        idle = [p for p in range(n) if p not in stopped and p not in m.pending]
-        p = rng.choice(idle)
-        m.report(p, next_call[p], feedback=1)
-        next_call[p] += 1
-        while (k := m.next_alignment()) is not None:
-            if k >= 1 and k - 1 < publish_until:
-                m.record_coordinator(k - 1, published=1)
-            m.complete_alignment(k)
-        stopped.update(r.pid for r in m.releasable() if r.terminated)
-        m.validate()
+    < publish_until. Under any arrival order, through the whole core, the iteration ends
+    at alignment max(1, min(publish_until + 1, max_epochs)): by no_variables_published
+    unless max_epochs comes first; neither has a terminating round to run."""
+    core = run_schedule(n, staleness, max_epochs, seed, publish=lambda e: e < publish_until)
+    m = core.sm
     by_publish = max(publish_until, 0) + 1
     expected = by_publish if max_epochs is None else min(by_publish, max_epochs)
     assert m.aligned == expected

@@ -330,7 +330,7 @@ def test_a_merge_failing_in_the_root_answers_every_group_and_tells_the_coordinat
 def test_a_group_call_resolves_once_every_member_has_its_reply_in_member_order():
     import asyncio
 
-    from coordinator._actor import _GroupCall, _Member
+    from coordinator._tree import _GroupCall, _Member
 
     async def main():
         call = _GroupCall(3, asyncio.get_running_loop().create_future())
