@@ -102,13 +102,15 @@ def _measured_coordinator_class() -> type:
             self.bytes_in += 200 + 100 * len(members) + _nbytes(combined.feedback)
             return await super().report_group(first_pid, epoch, members, combined, attempt)
 
-        def _coordinator_watermark(self, epoch: int) -> None:
-            # CPU of this process at each alignment k >= 1: per-epoch CPU is the difference
-            self.__dict__.setdefault("cpu_marks", []).append(time.process_time())
-            # the event-loop thread alone: the protocol's Python work and the user's
-            # operator, without Ray's transport threads
-            self.__dict__.setdefault("loop_marks", []).append(time.thread_time())
-            super()._coordinator_watermark(epoch)
+        def _aligned(self, ins, events) -> None:
+            if ins.epoch >= 1:
+                # CPU of this process at each alignment k >= 1: per-epoch CPU is the
+                # difference
+                self.__dict__.setdefault("cpu_marks", []).append(time.process_time())
+                # the event-loop thread alone: the protocol's Python work and the user's
+                # operator, without Ray's transport threads
+                self.__dict__.setdefault("loop_marks", []).append(time.thread_time())
+            super()._aligned(ins, events)
 
         async def probe(self) -> dict:
             tree = self._tree
@@ -117,7 +119,7 @@ def _measured_coordinator_class() -> type:
                 "rss_peak": _rss_peak_bytes(),
                 "calls": self.calls_in,
                 "bytes_in": self.bytes_in,
-                "aligned": self.sm.aligned,
+                "aligned": self.core.sm.aligned,
                 "cpu_marks": list(self.__dict__.get("cpu_marks", [])),
                 "loop_marks": list(self.__dict__.get("loop_marks", [])),
                 "groups": len(tree.groups) if tree is not None else 0,
@@ -209,6 +211,7 @@ class _Client:
     def run(self, plan: Any, pids: list[int], coord: Any) -> dict:
         import pyarrow as pa
 
+        from coordinator import RayLink
         from hybrid_iter._runtime.task import _Subtask
 
         batch = pa.record_batch({"x": pa.array([1.0])})
@@ -218,7 +221,7 @@ class _Client:
 
         def one(pid: int) -> None:
             try:
-                sub = _Subtask(plan, pid, coord)
+                sub = _Subtask(plan, pid, RayLink(coord))
                 t = stamps[pid] = []
                 done = sub.start(iter([(0, batch)]))
                 t.append(time.time())  # variables of call 0 resolved

@@ -17,7 +17,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._checkpoint import ForeignCheckpoint, first_unpicklable
 from ._core import (
     COORDINATOR,
     Aligned,
@@ -38,17 +37,17 @@ from ._core import (
     UserCall,
     WriteCheckpoint,
 )
-from ._errors import (
-    MissingCheckpoint,
-    NonFiniteVariables,
-    RemoteFailure,
-    UnpicklableOperator,
-    ValueEncodeError,
-)
+from ._errors import NonFiniteVariables, RemoteFailure
 from ._host import OperatorHost, UserCodeFailed
-from ._operator_api import overrides
 from ._protocol import Emissions, Progress, Reply, ResultData
-from ._shell import ProgressWaiters, node_ip, object_store, was_reconstructed
+from ._shell import (
+    LOADING,
+    ProgressWaiters,
+    node_ip,
+    object_store,
+    startup_failure,
+    was_reconstructed,
+)
 from ._snapshots import CheckpointInfo, Snapshots
 from ._spec import CoordinatorSpec
 from ._tree import CoordinatorTree, _GroupCall, _Member
@@ -145,49 +144,17 @@ class IterationCoordinator:
             if spec.operators:
                 self.host.load(spec.operators, main_per_round=spec.main_per_round)
         except Exception as ex:
-            where = (
-                "loading the coordinator operator or feedback combiner in the Ray actor (is "
-                "its module importable there? see hybrid_iter docs on shipping code)"
-            )
-            self._run(
-                Failed(RemoteFailure.capture(ex, source=COORDINATOR, epoch=None, where=where))
-            )
+            failure = RemoteFailure.capture(ex, source=COORDINATOR, epoch=None, where=LOADING)
+            self._run(Failed(failure))
         try:
             self.snapshots = Snapshots(ck) if ck is not None else None
             if ck is None or not (ck.restore or self._reconstructed) or not self._restore():
-                if ck is not None and ck.expect_epoch is not None:
-                    raise MissingCheckpoint(
-                        f"the coordinator (on node {node_ip()}) found no checkpoint in "
-                        f"{ck.uri!r}, but checkpoint {ck.expect_epoch} was written: the "
-                        f"path is not shared by every node (a node-local file:// path on a "
-                        f"multi-node cluster?); use shared storage (s3://, gs://, hdfs://, "
-                        f"or a mount every node sees)"
-                    )
-                self.host.main.open_all_round()
-                main = self.host.main.alive()
-                if (
-                    ck is not None
-                    and ck.every_epochs
-                    and main is not None
-                    and not overrides(main, "snapshot_state")
-                ):
-                    self.host.dump_main()  # refuse before any job what a checkpoint cannot hold
+                if self.snapshots is not None:
+                    self.snapshots.none_found(node_ip)
+                self.host.open(checkpointed=ck is not None and ck.every_epochs > 0)
             self._run(Emitted(self.host.emitted(), self.store.version))
-        except UserCodeFailed as ex:
-            self._run(Failed(ex.failure))  # every call from now on answers with it
-        except (ForeignCheckpoint, MissingCheckpoint, UnpicklableOperator) as ex:  # final
-            where = (
-                "checking that the coordinator operator can be checkpointed"
-                if isinstance(ex, UnpicklableOperator)
-                else "restoring a checkpoint"
-            )
-            failure = RemoteFailure(COORDINATOR, None, where, type(ex).__name__, str(ex), "", ex)
-            self._run(Failed(failure))
-        except Exception as ex:  # a checkpoint that cannot be used
-            where = "restoring a checkpoint"
-            self._run(
-                Failed(RemoteFailure.capture(ex, source=COORDINATOR, epoch=None, where=where))
-            )
+        except Exception as ex:  # every call from now on answers with it
+            self._run(Failed(startup_failure(ex)))
 
     def _restore(self) -> bool:
         """Load the newest valid checkpoint; False when there is none."""
@@ -211,15 +178,7 @@ class IterationCoordinator:
             for ins in self.core.handle(events.popleft()):
                 match ins:
                     case Answer():
-                        reply = Reply(
-                            ins.epoch,
-                            ins.terminated,
-                            ins.aligned,
-                            self.store.payload() if ins.variables else None,
-                            ins.error,
-                            ins.need_state,
-                            ins.terminating_round,
-                        )
+                        reply = ins.reply(self.store.payload() if ins.variables else None)
                         for slot in ins.slots:
                             if not slot.done():
                                 slot.set_result(reply)
@@ -264,9 +223,8 @@ class IterationCoordinator:
         except UserCodeFailed as ex:
             return Done(ex.failure)
         except Exception as ex:
-            where = "writing a checkpoint"
-            aligned = self.core.sm.aligned
-            return Done(RemoteFailure.capture(ex, source=COORDINATOR, epoch=aligned, where=where))
+            epoch, where = self.core.sm.aligned, "writing a checkpoint"
+            return Done(RemoteFailure.capture(ex, source=COORDINATOR, epoch=epoch, where=where))
         self._notify_progress()  # the driver learns of it even with progress off
         return Done(None, self.host.emitted(), self.store.version)
 
@@ -391,12 +349,8 @@ class IterationCoordinator:
         return self.progress()
 
     def _progress_ready(self, each_alignment: bool, aligned: int, checkpointed: int) -> bool:
-        newest = self.snapshots.newest if self.snapshots is not None else -1
-        return (
-            self.core.done
-            or newest > checkpointed
-            or (each_alignment and self.core.sm.aligned > aligned)
-        )
+        done, newest = self.core.done, self.snapshots.newest if self.snapshots else -1
+        return done or newest > checkpointed or (each_alignment and self.core.sm.aligned > aligned)
 
     def _notify_progress(self) -> None:
         self._progress.notify(self._progress_ready)
@@ -417,32 +371,12 @@ class IterationCoordinator:
         )
 
     def checkpoint_info(self) -> CheckpointInfo:
-        if self.snapshots is None:
-            return CheckpointInfo(
-                checkpoints=[],
-                restored_from=None,
-                restored_epoch=None,
-                skipped=[],
-                reconstructed=self._reconstructed,
-            )
-        return self.snapshots.info(self._reconstructed)
+        return Snapshots.info_of(self.snapshots, self._reconstructed)
 
     def unpicklable_output(self) -> RemoteFailure | None:
         """Why ``result()`` could not reach the driver: the first output record that does
         not pickle, named (None when every one does). Asked only after that failed."""
-        found = first_unpicklable(self.host.outputs, "the output records")
-        if found is None:
-            return None
-        record, what = found
-        error = ValueEncodeError(
-            f"{what}; the result cannot be sent to the driver. Emit with out.output only "
-            f"what pickles: numbers, strings, numpy arrays, and containers and objects of "
-            f"them (drop or convert the part named, e.g. a lock, an open file, a client)"
-        )
-        where = "sending the result to the driver"
-        return RemoteFailure(
-            record.source, record.epoch, where, type(error).__name__, str(error), "", error
-        )
+        return self.host.unpicklable_output()
 
     def result(self) -> ResultData:
         core = self.core

@@ -25,7 +25,7 @@ object, so a group of many subtasks pickles each once.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Generator, Hashable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,8 +33,9 @@ import numpy as np
 
 from ._cut import Cut, CutProtocol
 from ._errors import FeedbackShapeMismatch, HybridIterError, RemoteFailure
-from ._protocol import Emissions
+from ._protocol import Emissions, Reply
 from ._state import EpochStateMachine, StateMachineError
+from ._variables import VariablesPayload
 
 __all__ = [
     "COORDINATOR",
@@ -86,7 +87,7 @@ class Report:
     rows: Sequence[int] | None = None
     attempt: int = 0
     offered: tuple[Any] | None = None
-    slot: Hashable = None
+    slot: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +101,7 @@ class GroupReport:
     members: Sequence[tuple[int, int, Emissions, Sequence[int] | None]]
     combined: Emissions
     attempt: int
-    slots: Sequence[Hashable]
+    slots: Sequence[Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +114,7 @@ class StateSent:
     known_version: int
     state: Any
     attempt: int
-    slot: Hashable = None
+    slot: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +182,7 @@ class Answer:
     ``terminated``); ``variables``: with the current version's payload; ``need_state``:
     send your operator state and wait; ``error``: the run failed."""
 
-    slots: tuple[Hashable, ...]
+    slots: tuple[Any, ...]
     epoch: int
     terminated: bool
     aligned: int
@@ -189,6 +190,18 @@ class Answer:
     error: RemoteFailure | None = None
     need_state: bool = False
     terminating_round: int | None = None
+
+    def reply(self, payload: VariablesPayload | None) -> Reply:
+        """The protocol record a waiting call receives (``payload``: the variables)."""
+        return Reply(
+            self.epoch,
+            self.terminated,
+            self.aligned,
+            payload,
+            self.error,
+            self.need_state,
+            self.terminating_round,
+        )
 
 
 class UserCall:
@@ -345,7 +358,7 @@ class CoordinatorCore:
         self.tree, self.tree_groups = tree, tree_groups
         self.version = 0  # the newest variables version (the shell's store has it too)
         #: the calls held: pid -> (call, variables version it had processed, slot)
-        self.waiters: dict[int, tuple[int, int, Hashable]] = {}
+        self.waiters: dict[int, tuple[int, int, Any]] = {}
         self.rows = [0] * num_streams
         self.feedback_counts: Counter[int] = Counter(dict.fromkeys(range(num_subtasks), 0))
         self.failures: list[RemoteFailure] = []
@@ -390,7 +403,9 @@ class CoordinatorCore:
             raise CoreError(f"not an event: {event!r}")
         return self._drive(handler(event), out, None)
 
-    def _drive(self, flow: _Flow, out: list[Instruction], throw: Exception | None) -> list:
+    def _drive(
+        self, flow: _Flow, out: list[Instruction], throw: Exception | None
+    ) -> list[Instruction]:
         while True:
             try:
                 ins = flow.throw(throw) if throw is not None else flow.send(None)
@@ -547,7 +562,7 @@ class CoordinatorCore:
         em: Emissions,
         rows: Sequence[int] | None,
         attempt: int,
-        slot: Hashable,
+        slot: Any,
     ) -> Generator[Instruction, Done | None, bool]:
         """Validate and take call ``call`` of ``pid``: True when it now waits (its
         answer comes later), False when it was answered at once."""
@@ -645,7 +660,7 @@ class CoordinatorCore:
             if self.sm.terminated is not None:
                 self.cut.abandon()  # nothing to resume any more
             else:
-                asks: dict[int, list[Hashable]] = {}
+                asks: dict[int, list[Any]] = {}
                 for pid in self.cut.ask_state(list(self.waiters)):
                     call, _, slot = self.waiters.pop(pid)
                     asks.setdefault(call, []).append(slot)
@@ -659,7 +674,7 @@ class CoordinatorCore:
                 except _UserCodeFailed:
                     return
         last_round = self.sm.terminating_round
-        answers: dict[tuple[int, bool, bool], list[Hashable]] = {}
+        answers: dict[tuple[int, bool, bool], list[Any]] = {}
         for r in self.sm.releasable():
             _, known_version, slot = self.waiters.pop(r.pid)
             key = (r.epoch, r.terminated, self.version > known_version)
@@ -702,17 +717,17 @@ class CoordinatorCore:
         self.failures.append(failure)
         self.sm.fail()
         out: list[Instruction] = [Fail(failure)]
-        by_epoch: dict[int, list[Hashable]] = {}
+        by_epoch: dict[int, list[Any]] = {}
         for call, _, slot in self.waiters.values():
             by_epoch.setdefault(call, []).append(slot)
         self.waiters.clear()
         out += [self._error(tuple(slots), call) for call, slots in by_epoch.items()]
         return out
 
-    def _error(self, slots: tuple[Hashable, ...], call: int) -> Answer:
+    def _error(self, slots: tuple[Any, ...], call: int) -> Answer:
         return Answer(slots, call, True, self.sm.aligned, error=self.failures[0])
 
-    def _stale(self, slot: Hashable, call: int, attempt: int) -> Answer:
+    def _stale(self, slot: Any, call: int, attempt: int) -> Answer:
         stale = RemoteFailure(
             COORDINATOR,
             call,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checkpoint import dump_operator, dumps_state, restore_operator
+from ._checkpoint import dump_operator, dumps_state, first_unpicklable, restore_operator
 from ._core import (
     COORDINATOR,
     Apply,
@@ -27,8 +27,8 @@ from ._core import (
     UserCall,
     Watermark,
 )
-from ._errors import NonFiniteVariables, RemoteFailure
-from ._operator_api import CoordinatorCollector, CoordinatorContext
+from ._errors import NonFiniteVariables, RemoteFailure, ValueEncodeError
+from ._operator_api import CoordinatorCollector, CoordinatorContext, overrides
 from ._protocol import Emissions, OutputRecord
 from ._tree import fold
 from ._variables import VariablesStore
@@ -242,7 +242,32 @@ class OperatorHost:
     def criteria(self) -> None:
         self._counts.append((self.ctx.epoch, 0, 1))
 
+    def unpicklable_output(self) -> RemoteFailure | None:
+        """The first output record that does not pickle, as the failure of sending the
+        result to the driver (None when every one does). Asked only after that failed."""
+        found = first_unpicklable(self.outputs, "the output records")
+        if found is None:
+            return None
+        record, what = found
+        error = ValueEncodeError(
+            f"{what}; the result cannot be sent to the driver. Emit with out.output only "
+            f"what pickles: numbers, strings, numpy arrays, and containers and objects of "
+            f"them (drop or convert the part named, e.g. a lock, an open file, a client)"
+        )
+        where = "sending the result to the driver"
+        return RemoteFailure(
+            record.source, record.epoch, where, type(error).__name__, str(error), "", error
+        )
+
     # -- checkpoints ------------------------------------------------------------------------
+
+    def open(self, *, checkpointed: bool) -> None:
+        """Open the all-round main operator of a run that starts afresh; with checkpoints,
+        refuse at once (before any job) one that a checkpoint could not hold."""
+        self.main.open_all_round()
+        main = self.main.alive()
+        if checkpointed and main is not None and not overrides(main, "snapshot_state"):
+            self.dump_main()
 
     def dump_main(self) -> tuple[str, bytes] | None:
         """The all-round main operator's state for a checkpoint (None: there is none)."""

@@ -49,11 +49,10 @@ from ._checkpoint import (
     write_record,
 )
 from ._core import COORDINATOR, Apply, FeedbackShapes, Watermark
-from ._errors import RemoteFailure, UnpicklableOperator
+from ._errors import RemoteFailure
 from ._host import OperatorHost, UserCodeFailed
-from ._operator_api import overrides
 from ._protocol import Emissions, OutputRecord, Progress, ResultData
-from ._shell import ProgressWaiters, object_store
+from ._shell import LOADING, ProgressWaiters, object_store, startup_failure
 from ._snapshots import Snapshots
 from ._spec import CoordinatorSpec
 from ._variables import VariablesPayload, VariablesStore
@@ -244,31 +243,13 @@ class OnlineCoordinator:
             if spec.operators:
                 self.host.load(spec.operators, main_per_round=spec.main_per_round)
         except Exception as ex:
-            where = (
-                "loading the coordinator operator or feedback combiner in the Ray actor (is "
-                "its module importable there? see hybrid_iter docs on shipping code)"
-            )
-            self._fail(RemoteFailure.capture(ex, source=COORDINATOR, epoch=None, where=where))
+            self._fail(RemoteFailure.capture(ex, source=COORDINATOR, epoch=None, where=LOADING))
         try:
             self.snapshots = Snapshots(spec.checkpoint) if spec.checkpoint is not None else None
             if self.snapshots is None or not self._restore():
-                self.host.main.open_all_round()
-                main = self.host.main.alive()
-                if self.snapshots is not None and main is not None:
-                    if not overrides(main, "snapshot_state"):
-                        self.host.dump_main()  # refuse at once what a snapshot cannot hold
-        except UserCodeFailed as ex:
-            self._fail(ex.failure)
-        except (ForeignCheckpoint, UnpicklableOperator) as ex:  # final
-            where = (
-                "checking that the coordinator operator can be checkpointed"
-                if isinstance(ex, UnpicklableOperator)
-                else "restoring a checkpoint"
-            )
-            self._fail(RemoteFailure(COORDINATOR, None, where, type(ex).__name__, str(ex), "", ex))
+                self.host.open(checkpointed=self.snapshots is not None)
         except Exception as ex:
-            where = "restoring a checkpoint"
-            self._fail(RemoteFailure.capture(ex, source=COORDINATOR, epoch=None, where=where))
+            self._fail(startup_failure(ex))
 
     # -- calls from Spark tasks -------------------------------------------------------------
 

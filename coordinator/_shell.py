@@ -9,7 +9,42 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ProgressWaiters", "node_ip", "object_store", "was_reconstructed"]
+from ._checkpoint import ForeignCheckpoint
+from ._core import COORDINATOR
+from ._errors import MissingCheckpoint, RemoteFailure, UnpicklableOperator
+from ._host import UserCodeFailed
+
+__all__ = [
+    "LOADING",
+    "ProgressWaiters",
+    "node_ip",
+    "object_store",
+    "startup_failure",
+    "was_reconstructed",
+]
+
+#: where a coordinator that cannot load its operators failed
+LOADING = (
+    "loading the coordinator operator or feedback combiner in the Ray actor (is its module "
+    "importable there? see hybrid_iter docs on shipping code)"
+)
+
+
+def startup_failure(ex: Exception) -> RemoteFailure:
+    """The failure of a coordinator that cannot start: user code that raised (opening or
+    restoring an operator); a checkpoint of another run, one missing, or an operator a
+    checkpoint cannot hold (final: a relaunch meets them again); a checkpoint that
+    cannot be read."""
+    if isinstance(ex, UserCodeFailed):
+        return ex.failure
+    if isinstance(ex, ForeignCheckpoint | MissingCheckpoint | UnpicklableOperator):
+        where = (
+            "checking that the coordinator operator can be checkpointed"
+            if isinstance(ex, UnpicklableOperator)
+            else "restoring a checkpoint"
+        )
+        return RemoteFailure(COORDINATOR, None, where, type(ex).__name__, str(ex), "", ex)
+    return RemoteFailure.capture(ex, source=COORDINATOR, epoch=None, where="restoring a checkpoint")
 
 
 class ProgressWaiters:

@@ -123,6 +123,17 @@ class Snapshots:
             )
         return loaded
 
+    def none_found(self, node: Callable[[], str]) -> None:
+        """No checkpoint to restore: an error when the driver saw one written."""
+        if self.spec.expect_epoch is not None:
+            raise MissingCheckpoint(
+                f"the coordinator (on node {node()}) found no checkpoint in "
+                f"{self.spec.uri!r}, but checkpoint {self.spec.expect_epoch} was written: the "
+                f"path is not shared by every node (a node-local file:// path on a "
+                f"multi-node cluster?); use shared storage (s3://, gs://, hdfs://, "
+                f"or a mount every node sees)"
+            )
+
     def outputs_until(self, epoch: int) -> list[Any]:
         """The output records saved up to checkpoint ``epoch`` (just restored)."""
         records = list(self.store.outputs_until(epoch))
@@ -131,11 +142,13 @@ class Snapshots:
         self.newest = epoch
         return records
 
-    def info(self, reconstructed: bool) -> CheckpointInfo:
+    @staticmethod
+    def info_of(snapshots: Snapshots | None, reconstructed: bool) -> CheckpointInfo:
+        """What ``checkpoint_info()`` answers (``snapshots`` None: no checkpoints)."""
         return CheckpointInfo(
-            checkpoints=list(self.written),
-            restored_from=self.restored_from,
-            restored_epoch=self.restored_epoch,
-            skipped=list(self.skipped),
+            checkpoints=list(snapshots.written) if snapshots else [],
+            restored_from=snapshots.restored_from if snapshots else None,
+            restored_epoch=snapshots.restored_epoch if snapshots else None,
+            skipped=list(snapshots.skipped) if snapshots else [],
             reconstructed=reconstructed,
         )
