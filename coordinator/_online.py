@@ -226,7 +226,7 @@ class OnlineCoordinator:
             staleness=spec.staleness,
             has_criteria=spec.has_criteria,
             store=self.store,
-            aligned=lambda: self.ledger.round - 1,
+            aligned=lambda: self.ledger.round,  # rounds before the current one are complete
             progress_tag=spec.progress_tag,
         )
         self.failures: list[RemoteFailure] = []

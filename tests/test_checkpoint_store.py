@@ -143,7 +143,7 @@ def test_a_restarted_coordinator_refuses_another_runs_checkpoint(tmp_path):
         checkpoint=CheckpointSpec(str(tmp_path), restore=True, run_id="this", key=KEY),
     )
     coord = IterationCoordinator(spec)
-    (failure,) = coord._failures
+    (failure,) = coord.core.failures
     assert failure.type_name == "ForeignCheckpoint"
     assert "'earlier'" in failure.message and "'this'" in failure.message
     assert asyncio.run(coord.restored(0)) is None
@@ -160,7 +160,7 @@ def test_a_restore_that_finds_less_than_was_written_fails_loudly(tmp_path):
         operators=cloudpickle.dumps((None, None, [])),
         checkpoint=CheckpointSpec(str(tmp_path), restore=True, run_id="r", key=KEY, expect_epoch=6),
     )
-    (failure,) = IterationCoordinator(spec)._failures
+    (failure,) = IterationCoordinator(spec).core.failures
     assert failure.type_name == "MissingCheckpoint"
     assert "found no checkpoint" in failure.message and "checkpoint 6" in failure.message
 

@@ -110,7 +110,9 @@ def test_an_unpicklable_partition_operator_is_the_same_error_as_on_the_coordinat
     sub = _Subtask(_plan(), 0, None)
     sub.all_round = Locked()
     sub.all_round.open(sub.ctx)
-    with pytest.raises(UnpicklableOperator, match="partition operator Locked cannot be pickled"):
+    with pytest.raises(
+        UnpicklableOperator, match=r"partition operator Locked \(partition 0\) cannot be pickled"
+    ):
         sub.checkpoint_state()
     sub.last = type("Reply", (), {"aligned": 0})()
     with pytest.raises(UnpicklableOperator, match="define snapshot_state"):

@@ -266,7 +266,8 @@ def test_an_unpicklable_operator_is_refused_naming_it(df, tmp_path):
     with pytest.raises(hi.IterationConfigError, match="operator LockedStep cannot be pickled"):
         run(df, CopyingGrad(), LockedStep(), checkpoint=hi.CheckpointConfig(str(tmp_path / "a")))
     with pytest.raises(
-        hi.IterationConfigError, match="partition operator LockedGrad cannot be pickled"
+        hi.IterationConfigError,
+        match=r"partition operator LockedGrad \(partition \d+\) cannot be pickled",
     ) as info:
         run(df, LockedGrad(), checkpoint=hi.CheckpointConfig(str(tmp_path / "b")))
     assert "define snapshot_state() and restore_state()" in str(info.value)

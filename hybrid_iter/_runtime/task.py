@@ -434,9 +434,11 @@ class _Subtask(_TaskSteps):
         op = self.all_round
         if op is None:
             return None
-        name = type(op).__name__
-        self.step(f"pickling the partition operator {name} for a checkpoint")
-        return dump_operator(op, f"the partition operator {name}", self.call)
+        self.step(f"pickling the partition operator {type(op).__name__} for a checkpoint")
+        return dump_operator(op, self._owner(op), self.call)
+
+    def _owner(self, op: Any) -> str:
+        return f"the partition operator {type(op).__name__} (partition {self.pid})"
 
     def epoch(self, inputs: Iterator[tuple[int, pa.RecordBatch]] | None = None) -> bool:
         """Run epoch ``k - 1`` (granted by the last reply): its per-round operators and
@@ -499,8 +501,7 @@ class _Subtask(_TaskSteps):
 
         self.step("snapshotting the partition operator")
         op = self.all_round
-        owner = f"the partition operator {type(op).__name__}"
-        dumped = dump_operator(op, owner, self.call) if op is not None else None
+        dumped = dump_operator(op, self._owner(op), self.call) if op is not None else None
         state = {"k": self.k, "rows": self.rows, "last": self.last.aligned, "operator": dumped}
         return cloudpickle.dumps(state)
 
