@@ -105,16 +105,6 @@ class IterationCoordinator:
         self.spec = spec
         self._reconstructed = was_reconstructed()
         ck = spec.checkpoint
-        self.core = CoordinatorCore(
-            spec.num_subtasks,
-            num_streams=spec.num_streams,
-            staleness=spec.staleness,
-            max_epochs=spec.max_epochs,
-            has_criteria=spec.has_criteria,
-            checkpoint_every=ck.every_epochs if ck is not None else 0,
-            tree=spec.tree is not None,
-            attempt=None if self._reconstructed else spec.attempt,
-        )
         self.store = VariablesStore(
             spec.init_variables, put=put, get=get, inline_limit=spec.inline_limit
         )
@@ -132,6 +122,7 @@ class IterationCoordinator:
         self._stash: dict[int, bytes] = {}
         self._tree: CoordinatorTree | None = None
         self.snapshots: Snapshots | None = None
+        failure = None
         try:
             if spec.tree is not None:
                 if spec.staleness != 0:
@@ -140,11 +131,22 @@ class IterationCoordinator:
                     spec.tree, spec.num_subtasks, start_groups=put is not None
                 )
                 self.host.combiner = self._tree.combiner
-                self.core.tree_groups = bool(self._tree.groups)
             if spec.operators:
                 self.host.load(spec.operators, main_per_round=spec.main_per_round)
         except Exception as ex:
             failure = RemoteFailure.capture(ex, source=COORDINATOR, epoch=None, where=LOADING)
+        self.core = CoordinatorCore(
+            spec.num_subtasks,
+            num_streams=spec.num_streams,
+            staleness=spec.staleness,
+            max_epochs=spec.max_epochs,
+            has_criteria=spec.has_criteria,
+            checkpoint_every=ck.every_epochs if ck is not None else 0,
+            tree=spec.tree is not None,
+            tree_groups=self._tree is not None and bool(self._tree.groups),
+            attempt=None if self._reconstructed else spec.attempt,
+        )
+        if failure is not None:
             self._run(Failed(failure))
         try:
             self.snapshots = Snapshots(ck) if ck is not None else None

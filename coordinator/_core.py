@@ -347,9 +347,11 @@ class CoordinatorCore:
         tree_groups: bool = False,
         attempt: int | None = None,
     ) -> None:
-        self._config = {"staleness": staleness, "max_epochs": max_epochs}
-        self._config["has_criteria"] = has_criteria
-        self.sm = EpochStateMachine(num_subtasks, **self._config)  # type: ignore[arg-type]
+        config = {"staleness": staleness, "max_epochs": max_epochs, "has_criteria": has_criteria}
+        self._config: dict[str, Any] = config  # a restore builds its state machine alike
+        self.sm = EpochStateMachine(
+            num_subtasks, staleness=staleness, max_epochs=max_epochs, has_criteria=has_criteria
+        )
         self.cut = CutProtocol(num_subtasks, sync=staleness == 0, every_epochs=checkpoint_every)
         if attempt is not None:
             self.cut.begin_attempt(attempt)
