@@ -5,8 +5,12 @@ from __future__ import annotations
 import asyncio
 import pickle
 
+import pytest
+
 import hybrid_iter as hi
 from coordinator import CoordinatorSpec, Emissions, IterationCoordinator
+
+pytestmark = pytest.mark.usefixtures("validate_cores")
 
 
 class Sum(hi.CoordinatorOperator):
