@@ -100,7 +100,9 @@ def session():
         s.spark.range(4, numPartitions=SLOTS).count()  # warm-up: Python workers and JVM
         yield s
     finally:
-        gateway = s.spark.sparkContext._gateway.proc.pid
+        from spark_ops._spark_compat import jvm_pid
+
+        gateway = jvm_pid(s.spark)
         s.stop()
     _check_leaks(fds_before, children_before | {gateway}, threads_before)
 

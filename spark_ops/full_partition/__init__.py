@@ -172,7 +172,7 @@ def _output_schema(schema: Any, what: str) -> tuple[StructType, bool]:
 
 
 def _arrow(schema: StructType, what: str) -> pa.Schema:
-    from pyspark.sql.pandas.types import to_arrow_schema
+    from .._spark_compat import to_arrow_schema
 
     try:
         return to_arrow_schema(schema)

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from .. import _spark_compat
+
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
@@ -36,9 +38,7 @@ _FRAMED_SCHEMA = "payload binary"
 
 def available_task_slots(spark: SparkSession) -> int:
     """How many tasks can run at once right now (what a barrier stage may use)."""
-    jsc = spark.sparkContext._jsc.sc()
-    profile = jsc.resourceProfileManager().defaultResourceProfile()
-    return int(jsc.maxNumConcurrentTasks(profile))
+    return _spark_compat.available_task_slots(spark)
 
 
 def num_partitions(df: DataFrame) -> int | None:
@@ -46,7 +46,7 @@ def num_partitions(df: DataFrame) -> int | None:
     the driver, for validation.
 
     Without a shuffle the plan's RDD is built without a job. With a shuffle, adaptive
-    query execution (Spark 3.5's default) would run the shuffle-map stages to build the
+    query execution (Spark's default) would run the shuffle-map stages to build the
     RDD, so the count is read from the plan instead: exact for ``repartition(n)``; for a
     shuffle Spark inserted itself (``groupBy``, a join) it is the planned count, which
     adaptive execution may still coalesce. ``None`` when the plan cannot tell without
@@ -55,29 +55,20 @@ def num_partitions(df: DataFrame) -> int | None:
     exact = exact_num_partitions(df)
     if exact is not None:
         return exact
-    plan = df._jdf.queryExecution().executedPlan()
-    partitioning = plan.inputPlan().outputPartitioning()
-    if partitioning.getClass().getSimpleName() == "UnknownPartitioning":
-        return None
-    return int(partitioning.numPartitions())
+    return _spark_compat.planned_num_partitions(df)
 
 
 def exact_num_partitions(df: DataFrame) -> int | None:
     """The partition count the DataFrame's tasks will have when the plan can tell
     without running a Spark job (no adaptive shuffle still to run), else None. Runs on
     the driver; the count is what ``BarrierStage(..., partitions=)`` takes."""
-    plan = df._jdf.queryExecution().executedPlan()
-    if plan.getClass().getSimpleName() != "AdaptiveSparkPlanExec":
-        return int(df._jdf.rdd().getNumPartitions())
-    if plan.isFinalPlan():  # already executed: its RDD exists
-        return int(plan.execute().getNumPartitions())
-    return None
+    return _spark_compat.exact_num_partitions(df)
 
 
 def _exact_num_partitions(df: DataFrame) -> int:
     """The partition count the DataFrame's tasks will have. Under adaptive execution this
     runs the shuffle-map stages first: call it only once validation is over."""
-    return int(df._jdf.rdd().getNumPartitions())
+    return _spark_compat.rdd_num_partitions(df)
 
 
 def _single_stream_fn(
@@ -235,10 +226,8 @@ class ReplayPlan:
             StorageLevel.MEMORY_AND_DISK
         )
         batches = int(self._cache.count())
-        jsc = self.streams[0].sparkSession.sparkContext._jsc.sc()
-        for info in jsc.getRDDStorageInfo():
-            if info.id() == self._cache.id():
-                self.memory_bytes, self.disk_bytes = int(info.memSize()), int(info.diskSize())
+        spark = self.streams[0].sparkSession
+        self.memory_bytes, self.disk_bytes = _spark_compat.rdd_storage(spark, self._cache.id())
         return batches
 
     @property
