@@ -412,9 +412,6 @@ class Session:
         parameter-server shards ask for (default: the head node; ``{}``: any node).
         """
         _check_spark_version("Session.raydp")
-        problem = _spark_compat.raydp_problem()
-        if problem is not None:
-            raise SessionError(problem)
         if coordinator_resources is not None:
             coordinator_resources = check_resources(
                 coordinator_resources, "Session.raydp(coordinator_resources)"
@@ -433,6 +430,9 @@ class Session:
             address = found[0] if found is not None else "local"
         else:
             address = check_ray_address(address, "Session.raydp(address)")
+        problem = _spark_compat.raydp_problem()  # before reaching out to any cluster
+        if problem is not None:
+            raise SessionError(problem)
         import ray
 
         owns_ray = not ray.is_initialized()

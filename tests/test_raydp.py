@@ -18,6 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import requires_raydp
+
+pytestmark = requires_raydp
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

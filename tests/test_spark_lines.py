@@ -26,6 +26,18 @@ ROOT = TESTS.parent
 SPARK4 = compat.spark_version() >= (4, 0, 0)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ship_this_module_by_value():
+    """The task functions below reach Spark's Python workers pickled by value, as a
+    user's own script would ship them (this module is not importable there)."""
+    from pyspark import cloudpickle
+
+    module = sys.modules[__name__]
+    cloudpickle.register_pickle_by_value(module)  # PySpark's own copy of cloudpickle
+    yield
+    cloudpickle.unregister_pickle_by_value(module)
+
+
 def _subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
