@@ -237,6 +237,13 @@ def from_arrow_schema(schema: pa.Schema) -> Any:
     return convert(schema, prefer_timestamp_ntz=True)
 
 
+def python_binary_type() -> type:
+    """What ``df.collect()`` gives a ``BinaryType`` value as (driver and tasks): ``bytes``
+    from Spark 4.1 on (``spark.sql.execution.pyspark.binaryAsBytes``, default true: a
+    session that turns it off is not followed), ``bytearray`` before."""
+    return bytes if spark_version() >= (4, 1, 0) else bytearray
+
+
 def observed_metrics(progress: Any, name: str) -> dict[str, Any] | None:
     """The observed metrics ``name`` of a streaming progress (a ``StreamingQuery``'s
     ``lastProgress``, or its dict) as a plain dict; None when absent or empty. Spark 3.5
