@@ -392,7 +392,8 @@ def streaming_file_source(df: DataFrame) -> tuple[str, dict[str, str]] | None:
     """(data source class name, options) when ``df`` is a file source as it came from
     ``spark.readStream`` (nothing applied on top); None otherwise."""
     try:
-        plan = df._jdf.queryExecution().logical()
+        # analyzed: Spark 4's unanalyzed plan holds an unresolved NamedStreamingRelation
+        plan = df._jdf.queryExecution().analyzed()
         if plan.getClass().getSimpleName() != "StreamingRelation":
             return None
         source = plan.dataSource()

@@ -297,3 +297,17 @@ def test_a_job_tag_cancels_a_connect_job(connect_job):
     assert connect_job["job_started"] is True
     cancel = connect_job["cancel"]
     assert cancel["result"] == "failed", cancel  # not ended by its own bound
+
+
+def test_a_streaming_parquet_source_is_recognised_from_its_plan(spark, tmp_path):
+    # the online path reads such a source's files itself; Spark 4's unanalyzed plan holds
+    # an unresolved relation, so the plan is read after analysis on every line
+    path = str(tmp_path / "in")
+    spark.range(3).write.parquet(path)
+    stream = spark.readStream.schema("id long").parquet(path)
+    found = compat.streaming_file_source(stream)
+    assert found is not None
+    name, options = found
+    assert name.lower().endswith("parquet") and options["path"] == path
+    assert compat.streaming_file_source(stream.select((stream.id + 1).alias("id"))) is None
+    assert compat.streaming_file_source(spark.range(3)) is None
