@@ -60,9 +60,6 @@ class UnsupportedSparkVersion(SparkOpsError, RuntimeError):
     the fix); raised before any Spark job."""
 
 
-UnsupportedSparkVersion.__module__ = "spark_ops"
-
-
 def _parse(version: str) -> tuple[int, int, int]:
     m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
     if m is None:
