@@ -26,9 +26,8 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
 EXECUTORS, CORES, ROWS, PARTITIONS, EPOCHS = 2, 1, 2000, 2, 15
-TIMEOUT = (
-    420  # seconds, a safety net; the job takes about 25 s on 2 idle cores, minutes on busy ones
-)
+# seconds, a safety net: the job takes about 25 s on 2 idle cores, minutes on busy ones
+TIMEOUT = 420
 
 
 def _is_loopback(host_port: str) -> bool:
