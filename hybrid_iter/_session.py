@@ -15,6 +15,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from spark_ops import _spark_compat
+
 from ._errors import SessionError
 from ._runtime.placement import check_resources
 from ._runtime.ray_util import NAMESPACE, force_loopback, is_loopback_address
@@ -229,26 +231,42 @@ def _check_spark_jvm_for_raydp() -> None:
     process has one JVM for good; ``builder.getOrCreate()`` would hand back a running
     SparkSession (with its own master) instead of a Spark on Ray one.
     """
-    from pyspark import SparkContext
-
-    active = SparkContext._active_spark_context
-    if active is not None:
+    master = _spark_compat.running_spark_master()
+    if master is not None:
         raise SessionError(
             f"Session.raydp needs its own SparkContext, but one is already running in this "
-            f"process (master {active.master!r}); stop it first, or use "
+            f"process (master {master!r}); stop it first, or use "
             f"Session.attach(spark) to run on it"
         )
-    gateway = SparkContext._gateway
-    if gateway is not None:
-        from py4j.java_gateway import JavaClass
+    if _spark_compat.jvm_has_class("org.apache.spark.deploy.raydp.RayAppMaster") is False:
+        raise SessionError(
+            "Session.raydp must start the first Spark of this process: its JVM was "
+            "already launched without RayDP's jars (an earlier Session.local or "
+            "SparkSession) and a process keeps its JVM; run Spark on Ray in a fresh "
+            "process"
+        )
 
-        if not isinstance(gateway.jvm.org.apache.spark.deploy.raydp.RayAppMaster, JavaClass):
-            raise SessionError(
-                "Session.raydp must start the first Spark of this process: its JVM was "
-                "already launched without RayDP's jars (an earlier Session.local or "
-                "SparkSession) and a process keeps its JVM; run Spark on Ray in a fresh "
-                "process"
-            )
+
+def _check_spark_version(where: str) -> None:
+    """A PySpark outside the supported lines fails the session before anything starts."""
+    try:
+        _spark_compat.check_spark_version()
+    except _spark_compat.UnsupportedSparkVersion as ex:
+        raise SessionError(f"{where}: {ex}") from ex
+
+
+#: what a Spark Connect session given to Session.attach lacks (the coordinator endpoint
+#: of DESIGN.md section 2 is the step that lifts it)
+_CONNECT_REFUSED = (
+    "Session.attach(spark) got a Spark Connect session, which hybrid_iter cannot run on "
+    "yet: its Spark tasks reach the coordinator through a Ray raylet on their own host, "
+    "and a Connect client cannot place one beside the cluster's executors or read the "
+    "driver's JVM. What is missing is the coordinator endpoint (a network service beside "
+    "the coordinator that subtasks reach without a local raylet). Use a classic "
+    "SparkSession on the cluster's driver instead: Session.on_spark(spark) starts Ray on "
+    "that Spark cluster, Session.attach(spark, ray_address=...) joins a Ray cluster whose "
+    "raylets run beside the executors"
+)
 
 
 def _prepare_process_env() -> None:
@@ -312,6 +330,7 @@ class Session:
             raise SessionError(
                 f"Session.local(parallelism) must be an int >= 1, got {parallelism!r}"
             )
+        _check_spark_version("Session.local")
         _prepare_process_env()
         force_loopback()
         import ray
@@ -330,9 +349,7 @@ class Session:
                 log_to_driver=True,
             )
         address = ray.get_runtime_context().gcs_address
-        from pyspark import SparkContext
-
-        owns_spark = SparkContext._active_spark_context is None
+        owns_spark = _spark_compat.running_spark_master() is None
         if not owns_spark:
             spark = SparkSession.builder.getOrCreate()  # the running one; left running
             log.info("Session.local uses the running SparkSession (%s)", spark.sparkContext.master)
@@ -394,6 +411,7 @@ class Session:
         when it starts). ``coordinator_resources``: Ray resources the coordinator and
         parameter-server shards ask for (default: the head node; ``{}``: any node).
         """
+        _check_spark_version("Session.raydp")
         if coordinator_resources is not None:
             coordinator_resources = check_resources(
                 coordinator_resources, "Session.raydp(coordinator_resources)"
@@ -412,6 +430,9 @@ class Session:
             address = found[0] if found is not None else "local"
         else:
             address = check_ray_address(address, "Session.raydp(address)")
+        problem = _spark_compat.raydp_problem()  # before reaching out to any cluster
+        if problem is not None:
+            raise SessionError(problem)
         import ray
 
         owns_ray = not ray.is_initialized()
@@ -448,8 +469,10 @@ class Session:
         gcs = ray.get_runtime_context().gcs_address
         try:
             import raydp
-        except ImportError as ex:  # pragma: no cover - raydp is a dependency
-            raise SessionError("Session.raydp needs RayDP: pip install 'raydp>=1.6.5'") from ex
+        except ImportError as ex:  # installed (raydp_problem) but not importable
+            raise SessionError(
+                f"Session.raydp could not import RayDP: {ex}; {_spark_compat.RAYDP_INSTALL}"
+            ) from ex
         user_conf = dict(spark_conf or {})
         # An executor runs executor_cores / spark.task.cpus tasks at once: each task's
         # BLAS gets the spark.task.cpus cores it holds, not all of the executor's.
@@ -515,6 +538,9 @@ class Session:
         """
         from pyspark.sql import SparkSession
 
+        _check_spark_version("Session.attach")
+        if _spark_compat.is_connect(spark):
+            raise SessionError(_CONNECT_REFUSED)
         if coordinator_resources is not None:
             coordinator_resources = check_resources(
                 coordinator_resources, "Session.attach(coordinator_resources)"
@@ -578,16 +604,13 @@ class Session:
             (n["NodeManagerAddress"] for n in nodes if "node:__internal_head__" in n["Resources"]),
             None,
         )
-        sc = self.spark.sparkContext
-        infos = sc._jsc.sc().statusTracker().getExecutorInfos()  # the driver is one of them
-        hosts = sorted(str(e.host()) for e in infos)
-        executors = sc._jsc.sc().getExecutorIds().size()  # without the driver
+        hosts, executors = _spark_compat.executor_hosts(self.spark)  # hosts: the driver's too
         return {
             "kind": self.kind,
             "ray_address": self.ray_address,
             "ray_nodes": len(nodes),
             "ray_head": head,
-            "spark_master": sc.master,
+            "spark_master": self.spark.sparkContext.master,
             "executors": executors,
             "spark_hosts": hosts,
             "task_slots": available_task_slots(self.spark),

@@ -20,7 +20,13 @@ Every error raised on purpose derives from ``SparkOpsError`` (the tree: ``_error
 user function that raises in a Spark task makes the action raise ``UserFunctionError``.
 """
 
-from ._errors import SparkOpsConfigError, SparkOpsError, SparkOpsIndexError, UserFunctionError
+from ._errors import (
+    SparkOpsConfigError,
+    SparkOpsError,
+    SparkOpsIndexError,
+    UserFunctionError,
+    install_error_translation,
+)
 from ._hadoop import require_spark_filesystem
 from .aggregate import AggregateFunction
 from .full_partition import (
@@ -83,6 +89,8 @@ from .side_inputs import (
     SingletonSideInput,
     with_side_inputs,
 )
+
+install_error_translation()  # once per driver process: see UserFunctionError
 
 __all__ = [
     "AggregateFunction",

@@ -46,6 +46,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from conftest import requires_raydp
 from raydp_job import listening_sockets
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1288,6 +1289,15 @@ def test_image_pins_every_runtime_dependency_at_a_version_the_package_accepts():
         assert extra in pins, extra
     assert "hybrid-iter" not in pins
     assert SpecifierSet(metadata("hybrid-iter")["Requires-Python"]).contains("3.11")
+    # the RayJob runs --session raydp: the image holds the raydp extra (and its Spark line)
+    raydp_extra = [
+        Requirement(r)
+        for r in requires("hybrid-iter") or []
+        if Requirement(r).marker is not None and 'extra == "raydp"' in str(Requirement(r).marker)
+    ]
+    assert {r.name for r in raydp_extra} == {"raydp", "pyspark"}
+    for req in raydp_extra:
+        assert req.specifier.contains(pins[req.name], prereleases=True), (str(req), pins[req.name])
 
 
 # -- the pods' commands, run locally -----------------------------------------------------------
@@ -1662,6 +1672,7 @@ def entrypoint_run(builds) -> dict[str, Any]:
     return report
 
 
+@requires_raydp
 def test_the_rayjob_entrypoint_trains_the_example_on_spark_on_ray(entrypoint_run, builds):
     options = job_options(builds["laptop"])
     assert entrypoint_run["session"] == "raydp"

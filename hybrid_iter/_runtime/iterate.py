@@ -50,6 +50,7 @@ from spark_ops import (
     python_worker_death,
     spark_error_text,
 )
+from spark_ops._spark_compat import JobTag
 
 from .._body import IterationBody
 from .._config import IterationConfig, OperatorLifecycle
@@ -423,7 +424,7 @@ def iterate_bounded_streams_until_termination(
             )
             if attempt > 0:
                 _wait_for_slots(spark, n, config, attempt, checkpoint, expect)
-            monitor = _Monitor(actor, spark.sparkContext, name, config, n)
+            monitor = _Monitor(actor, spark, name, config, n)
             try:
                 if streams.any_replayed:
                     _run_rounds(monitor, run_plan, streams, n, extra)
@@ -802,8 +803,10 @@ def _run_rounds(
 class _Monitor:
     """Runs Spark jobs of one iteration on a thread while the driver shows progress."""
 
-    def __init__(self, actor: Any, sc: Any, name: str, config: IterationConfig, n: int) -> None:
-        self.actor, self.sc, self.name, self.n = actor, sc, name, n
+    def __init__(self, actor: Any, spark: Any, name: str, config: IterationConfig, n: int) -> None:
+        self.actor, self.name, self.n = actor, name, n
+        #: every Spark job of the iteration carries it; cancelling it stops them
+        self.jobs_tag = JobTag(spark, name)
         self.call_timeout = float(config.call_timeout)
         self.printer = ProgressPrinter(config.progress, label=config.name or config.mode)
         self.results: list[bytes] = []
@@ -821,8 +824,8 @@ class _Monitor:
 
         def target() -> None:
             try:
-                self.sc.setJobGroup(self.name, "hybrid_iter iteration", interruptOnCancel=True)
-                outcome["results"] = job()
+                with self.jobs_tag.on_this_thread("hybrid_iter iteration"):
+                    outcome["results"] = job()
             except BaseException as ex:  # surfaced on the driver thread below
                 outcome["error"] = ex
             finally:
@@ -856,7 +859,7 @@ class _Monitor:
                     continue
                 except ray.exceptions.RayActorError as ex:
                     # the coordinator died: tasks cannot go on; stop them, report it
-                    self.sc.cancelJobGroup(self.name)
+                    self.jobs_tag.cancel()
                     thread.join()
                     raise IterationFailedError(
                         f"the coordinator actor died: {str(ex).splitlines()[0]}", {}
@@ -865,13 +868,13 @@ class _Monitor:
                 self._seen = p.aligned
                 self.checkpointed = max(self.checkpointed, p.checkpointed)
                 if p.failed:
-                    self.sc.cancelJobGroup(self.name)  # tasks stuck in user code must not hang us
+                    self.jobs_tag.cancel()  # tasks stuck in user code must not hang us
                 if p.done or p.failed:
                     thread.join()
             thread.join()
         except BaseException:
             if thread.is_alive():
-                self.sc.cancelJobGroup(self.name)
+                self.jobs_tag.cancel()
                 thread.join(timeout=30)
             raise
         self.results = outcome.get("results", [])
@@ -902,7 +905,7 @@ class _Monitor:
             )
         else:
             return
-        self.sc.cancelJobGroup(self.name)
+        self.jobs_tag.cancel()
         failure = RemoteFailure(
             "coordinator",
             busy[1] if busy else None,
