@@ -58,6 +58,7 @@ from .._errors import (
 from .._result import IterationResult
 from .._session import Session
 from .._streams import ReplayableDataStreamList, _is_dataframe
+from .metrics import RunMeter, bounded_description, bounded_meter, set_job_description
 from .placement import (
     actor_class,
     keep_spare,
@@ -287,7 +288,8 @@ def iterate_bounded_streams_until_termination(
 
     connect(address, namespace=NAMESPACE)
     checkpoint = _checkpoint_spec(config, body, streams, variables, n, _alive_nodes())
-    name = f"hybrid_iter.{config.name or 'iteration'}.{uuid.uuid4().hex[:12]}"
+    run_id = uuid.uuid4().hex[:12]
+    name = f"hybrid_iter.{config.name or 'iteration'}.{run_id}"
     spec = CoordinatorSpec(
         num_subtasks=n,
         num_streams=len(streams),
@@ -347,6 +349,7 @@ def iterate_bounded_streams_until_termination(
     restore = config.resume_from is not None
     # the newest checkpoint known to exist: a restore that finds less fails loudly
     expect = checkpoint.expect_epoch if checkpoint is not None else None
+    meter = bounded_meter(config.name or "iteration", run_id, config.mode)
     try:
         while True:
             if actor is None:
@@ -379,7 +382,9 @@ def iterate_bounded_streams_until_termination(
             )
             if attempt > 0:
                 _wait_for_slots(spark, n, config, attempt, checkpoint, expect)
-            monitor = _Monitor(actor, spark.sparkContext, name, config, n)
+            monitor = _Monitor(
+                actor, spark.sparkContext, name, config, n, attempt=attempt, meter=meter
+            )
             try:
                 if streams.any_replayed:
                     _run_rounds(monitor, run_plan, streams, n, extra)
@@ -420,6 +425,7 @@ def iterate_bounded_streams_until_termination(
                     kill(actor, f"the coordinator actor {name}")
                     actor = None
     finally:
+        meter.close(failed=not ended)
         # after a run that ended well, a coordinator Ray never restarts waits as the
         # driver's spare for its next run (no process to start then); else it is killed
         # and a fresh spare started
@@ -703,7 +709,8 @@ def _run_rounds(
         rounds = 0
         while True:
             monitor.run(
-                functools.partial(replay.run_round, rounds, functools.partial(run_round, plan))
+                functools.partial(replay.run_round, rounds, functools.partial(run_round, plan)),
+                round_=rounds,
             )
             rounds += 1
             if monitor.closed():
@@ -716,10 +723,26 @@ def _run_rounds(
 class _Monitor:
     """Runs Spark jobs of one iteration on a thread while the driver shows progress."""
 
-    def __init__(self, actor: Any, sc: Any, name: str, config: IterationConfig, n: int) -> None:
+    def __init__(
+        self,
+        actor: Any,
+        sc: Any,
+        name: str,
+        config: IterationConfig,
+        n: int,
+        *,
+        attempt: int = 0,
+        meter: RunMeter | None = None,
+    ) -> None:
         self.actor, self.sc, self.name, self.n = actor, sc, name, n
         self.call_timeout = float(config.call_timeout)
         self.printer = ProgressPrinter(config.progress, label=config.name or config.mode)
+        self.attempt = attempt
+        self.meter = meter or RunMeter(None)
+        self.meter.set(attempt=attempt)
+        self.describe = functools.partial(
+            bounded_description, config.name or "iteration", config.mode, n, attempt
+        )
         self.results: list[bytes] = []
         self.error: BaseException | None = None
         self.jobs = 0
@@ -727,8 +750,9 @@ class _Monitor:
         #: the newest checkpoint the coordinator reported written
         self.checkpointed = -1
 
-    def run(self, job: Any) -> None:
-        """Run ``job()`` (a Spark job returning the subtasks' summaries) to its end."""
+    def run(self, job: Any, round_: int | None = None) -> None:
+        """Run ``job()`` (a Spark job returning the subtasks' summaries; of round
+        ``round_`` of replayed streams) to its end."""
         import ray
 
         outcome: dict[str, Any] = {}
@@ -736,6 +760,7 @@ class _Monitor:
         def target() -> None:
             try:
                 self.sc.setJobGroup(self.name, "hybrid_iter iteration", interruptOnCancel=True)
+                set_job_description(self.sc, self.describe(round_))
                 outcome["results"] = job()
             except BaseException as ex:  # surfaced on the driver thread below
                 outcome["error"] = ex
@@ -776,6 +801,7 @@ class _Monitor:
                         f"the coordinator actor died: {str(ex).splitlines()[0]}", {}
                     ) from ex
                 self.printer.update(p)
+                self.meter.progress(p, attempt=self.attempt)
                 self._seen = p.aligned
                 self.checkpointed = max(self.checkpointed, p.checkpointed)
                 if p.failed:
@@ -851,7 +877,9 @@ class _Monitor:
         import ray
 
         data = ray.get(self.actor.result.remote())
-        self.printer.update(ray.get(self.actor.progress.remote()), final=True)
+        final = ray.get(self.actor.progress.remote())
+        self.printer.update(final, final=True)
+        self.meter.progress(final, attempt=self.attempt)
         if data.failures:
             _raise_failures(data.failures, self.error)
         ran = len(self.results)
