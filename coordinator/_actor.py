@@ -656,6 +656,7 @@ class IterationCoordinator:
             subtask_epochs=tuple(max(c, 0) for c in self.sm.last_call),
             rows=sum(self._rows),
             checkpointed=self._checkpointed,
+            version=self.store.version,
         )
 
     def unpicklable_output(self) -> RemoteFailure | None:

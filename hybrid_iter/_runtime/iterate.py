@@ -68,6 +68,7 @@ from .._errors import (
 from .._result import IterationResult
 from .._session import Session
 from .._streams import ReplayableDataStreamList, _is_dataframe
+from .metrics import RunMeter, bounded_description, bounded_meter
 from .placement import (
     actor_class,
     keep_spare,
@@ -330,7 +331,8 @@ def iterate_bounded_streams_until_termination(
 
     connect(address, namespace=NAMESPACE)
     checkpoint = _checkpoint_spec(config, body, streams, variables, n, _alive_nodes())
-    name = f"hybrid_iter.{config.name or 'iteration'}.{uuid.uuid4().hex[:12]}"
+    run_id = uuid.uuid4().hex[:12]
+    name = f"hybrid_iter.{config.name or 'iteration'}.{run_id}"
     spec = CoordinatorSpec(
         num_subtasks=n,
         num_streams=len(streams),
@@ -392,6 +394,7 @@ def iterate_bounded_streams_until_termination(
     expect = checkpoint.expect_epoch if checkpoint is not None else None
     # the failures of user code met so far: one met again is not retried again
     seen: dict[tuple[Any, ...], int] = {}
+    meter = bounded_meter(config.name or "iteration", run_id, config.mode)
     try:
         while True:
             if actor is None:
@@ -424,7 +427,7 @@ def iterate_bounded_streams_until_termination(
             )
             if attempt > 0:
                 _wait_for_slots(spark, n, config, attempt, checkpoint, expect)
-            monitor = _Monitor(actor, spark, name, config, n)
+            monitor = _Monitor(actor, spark, name, config, n, attempt=attempt, meter=meter)
             try:
                 if streams.any_replayed:
                     _run_rounds(monitor, run_plan, streams, n, extra)
@@ -466,6 +469,7 @@ def iterate_bounded_streams_until_termination(
                     kill(actor, f"the coordinator actor {name}")
                     actor = None
     finally:
+        meter.close(failed=not ended)
         # after a run that ended well, a coordinator Ray never restarts waits as the
         # driver's spare for its next run (no process to start then); else it is killed
         # and a fresh spare started
@@ -790,7 +794,8 @@ def _run_rounds(
         rounds = 0
         while True:
             monitor.run(
-                functools.partial(replay.run_round, rounds, functools.partial(run_round, plan))
+                functools.partial(replay.run_round, rounds, functools.partial(run_round, plan)),
+                round_=rounds,
             )
             rounds += 1
             if monitor.closed():
@@ -803,12 +808,28 @@ def _run_rounds(
 class _Monitor:
     """Runs Spark jobs of one iteration on a thread while the driver shows progress."""
 
-    def __init__(self, actor: Any, spark: Any, name: str, config: IterationConfig, n: int) -> None:
+    def __init__(
+        self,
+        actor: Any,
+        spark: Any,
+        name: str,
+        config: IterationConfig,
+        n: int,
+        *,
+        attempt: int = 0,
+        meter: RunMeter | None = None,
+    ) -> None:
         self.actor, self.name, self.n = actor, name, n
         #: every Spark job of the iteration carries it; cancelling it stops them
         self.jobs_tag = JobTag(spark, name)
         self.call_timeout = float(config.call_timeout)
         self.printer = ProgressPrinter(config.progress, label=config.name or config.mode)
+        self.attempt = attempt
+        self.meter = meter or RunMeter(None)
+        self.meter.set(attempt=attempt)
+        self.describe = functools.partial(
+            bounded_description, config.name or "iteration", config.mode, n, attempt
+        )
         self.results: list[bytes] = []
         self.error: BaseException | None = None
         self.jobs = 0
@@ -816,15 +837,16 @@ class _Monitor:
         #: the newest checkpoint the coordinator reported written
         self.checkpointed = -1
 
-    def run(self, job: Any) -> None:
-        """Run ``job()`` (a Spark job returning the subtasks' summaries) to its end."""
+    def run(self, job: Any, round_: int | None = None) -> None:
+        """Run ``job()`` (a Spark job returning the subtasks' summaries; of round
+        ``round_`` of replayed streams) to its end."""
         import ray
 
         outcome: dict[str, Any] = {}
 
         def target() -> None:
             try:
-                with self.jobs_tag.on_this_thread("hybrid_iter iteration"):
+                with self.jobs_tag.on_this_thread(self.describe(round_)):
                     outcome["results"] = job()
             except BaseException as ex:  # surfaced on the driver thread below
                 outcome["error"] = ex
@@ -865,6 +887,7 @@ class _Monitor:
                         f"the coordinator actor died: {str(ex).splitlines()[0]}", {}
                     ) from ex
                 self.printer.update(p)
+                self.meter.progress(p, attempt=self.attempt)
                 self._seen = p.aligned
                 self.checkpointed = max(self.checkpointed, p.checkpointed)
                 if p.failed:
@@ -950,7 +973,9 @@ class _Monitor:
             if unpicklable is None:
                 raise
             _raise_failures([unpicklable], None)
-        self.printer.update(ray.get(self.actor.progress.remote()), final=True)
+        final = ray.get(self.actor.progress.remote())
+        self.printer.update(final, final=True)
+        self.meter.progress(final, attempt=self.attempt)
         if data.failures:
             _raise_failures(data.failures, self.error)
         ran = len(self.results)

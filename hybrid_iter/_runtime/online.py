@@ -23,6 +23,7 @@ dead-letter path (path, reason, batch id) instead of failing the query. Other so
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import pickle
@@ -62,6 +63,7 @@ from .._config import (
 )
 from .._errors import CheckpointError, IterationConfigError, IterationFailedError
 from .._streams import ReplayableDataStreamList, _is_dataframe
+from .metrics import RunMeter, job_description, online_description, online_meter
 from .placement import actor_class, kill, launch
 from .ray_util import NAMESPACE, connect
 from .shipping import dumps
@@ -264,7 +266,8 @@ class OnlineProgress:
     completed - 1), the newest ``progress_tag`` output, the variables version, the last
     batch id; batches/s and rows/s over the recent commits, files waiting in the source
     (None when the source does not say), seconds since the last checkpoint, and the batch
-    ids lost by ``on_corrupt_checkpoint="reset"``."""
+    ids lost by ``on_corrupt_checkpoint="reset"``, the rows of the last batch committed
+    since this handle started (None before that)."""
 
     batches: int
     rows: int
@@ -280,6 +283,7 @@ class OnlineProgress:
     lag_files: int | None = None
     last_checkpoint_age_s: float | None = None
     lost_batches: tuple[int, ...] = ()
+    last_batch_rows: int | None = None
 
     def status_line(self) -> str:
         def rate(x: float | None, fmt: str) -> str:
@@ -664,6 +668,7 @@ class OnlineIteration:
         lost_batches: tuple[int, ...] = (),
         files_waiting: Callable[[], int | None] | None = None,
         failed: list[IterationFailedError] | None = None,
+        meter: RunMeter | None = None,
     ) -> None:
         self.query = query
         self._actor = actor
@@ -687,6 +692,8 @@ class OnlineIteration:
                 target=self._log_loop, name="hybrid_iter-online-status", daemon=True
             )
             self._logger.start()
+        self._meter = meter or RunMeter(None)
+        self._meter.watch(lambda: self.progress, query, lambda: bool(self._failed))
 
     def latest_variables(self) -> dict[str, Any]:
         """The newest published variables."""
@@ -718,6 +725,7 @@ class OnlineIteration:
                 now - s["last_checkpoint"] if s["last_checkpoint"] is not None else None
             ),
             lost_batches=self.lost_batches,
+            last_batch_rows=s["recent_commits"][-1][1] if s.get("recent_commits") else None,
         )
 
     def _lag_files(self) -> int | None:
@@ -832,6 +840,7 @@ class OnlineIteration:
             kill(self._actor, "the online coordinator")
             if self._logger is not None:
                 self._logger.join(timeout=5)
+            self._meter.close(failed=bool(self._failed), final=lambda: self.progress)
         if self._failed and not self._reported:
             # the query ended with a failed micro-batch nobody asked about: say so
             failure = self._failure()
@@ -990,6 +999,7 @@ def iterate_unbounded_streams(
     import ray
 
     name = f"hybrid_iter.online.{cfg.name or 'iteration'}.{uuid.uuid4().hex[:12]}"
+    meter = online_meter(cfg.name or "iteration", name.rsplit(".", 1)[1], cfg.staleness)
     checkpoint = None
     dead_letter_path = cfg.dead_letter_path
     location = None
@@ -1073,6 +1083,9 @@ def iterate_unbounded_streams(
     #: text inside its StreamingQueryException, the handle raises the object itself
     failed: list[IterationFailedError] = []
     watch = _FailureWatch(spark, actor, name)
+    describe = functools.partial(
+        online_description, cfg.name or "iteration", "sync" if cfg.staleness == 0 else "async"
+    )
 
     def on_batch(batch_df: Any, batch_id: int) -> None:
         # never block on the lock while stop() drains: stop() holds it across query.stop(),
@@ -1110,7 +1123,10 @@ def iterate_unbounded_streams(
             return
         started = time.perf_counter()
         bad: list[dict[str, Any]] = []
-        with watch.batch(batch_id, f"{name}.batch-{batch_id}"):
+        with (
+            watch.batch(batch_id, f"{name}.batch-{batch_id}"),
+            job_description(spark.sparkContext, describe(batch_id)),
+        ):
             if parquet is not None:
                 results = _run_files(batch_df, batch_id, bad)
             else:
@@ -1139,6 +1155,8 @@ def iterate_unbounded_streams(
         if commit["applied"]:
             where["committed"], where["round"] = batch_id, commit["round"]
         _deliver(batch_id, commit["outputs"])
+        if commit["applied"]:
+            meter.batch_seconds(time.perf_counter() - started)
         if printer.enabled:
             s = ray.get(actor.online_state.remote())
             printer.update(
@@ -1218,6 +1236,7 @@ def iterate_unbounded_streams(
         lost,
         files_waiting=files_waiting,
         failed=failed,
+        meter=meter,
     )
 
 
