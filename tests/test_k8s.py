@@ -1441,13 +1441,19 @@ def run_init_container(
     pod: LocalPod, name: str, base_env: dict[str, str], **overrides: str
 ) -> tuple[int, str, float]:
     """Run an init container's command; returns its exit status, its output and the
-    peak resident memory (MiB) of its largest process (``wait4`` of its process tree)."""
+    peak resident memory (MiB) of its largest process (``wait4`` of its process tree).
+
+    The command is started by a small launcher (:data:`_PEAK_RSS_LAUNCHER`): Linux carries
+    the peak of the forking process's memory into a child's ``ru_maxrss`` at ``exec``, so
+    a command forked straight from this test process would report the test process's
+    size (hundreds of MiB late in a suite), not its own."""
     env = {**base_env, **pod.env(name), **overrides}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     out = pod.root / f"{name}.log"
+    peak_file = pod.root / f"{name}.maxrss"
     with open(out, "w") as log:
         proc = subprocess.Popen(
-            pod.argv(name),
+            [sys.executable, "-I", "-c", _PEAK_RSS_LAUNCHER, str(peak_file), *pod.argv(name)],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -1465,7 +1471,25 @@ def run_init_container(
             break
         time.sleep(0.2)  # polling a child process, not test synchronisation
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, out.read_text(), usage.ru_maxrss / 1024
+    peak_kib = int(peak_file.read_text()) if peak_file.exists() else usage.ru_maxrss
+    return proc.returncode, out.read_text(), peak_kib / 1024
+
+
+#: Runs argv[2:] as a child of a process a few MiB large and writes the peak resident
+#: memory (KiB) of the child's process tree to argv[1]; exits with the child's status.
+_PEAK_RSS_LAUNCHER = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status) % 256)
+"""
 
 
 def _ray_tls_ca(directory: Path) -> dict[tuple[str, str], str]:
