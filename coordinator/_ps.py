@@ -686,12 +686,13 @@ class ParameterShard(_ShardCore):
 
     async def lookup_at(
         self, token: str | None, keys: Any, epoch: int | None = None, step: int = 0
-    ) -> tuple[np.ndarray | None, ...]:
-        """``lookup`` once step ``(epoch, step)`` is reached (sync: the parameters
-        before it; ``epoch`` None: now)."""
+    ) -> Any:
+        """``(version, inline, ref, rows per table)``: the dense parameters and the
+        ``lookup`` of ``keys`` once step ``(epoch, step)`` is reached (sync: the
+        parameters before it; ``epoch`` None: now)."""
         if epoch is not None and self.spec.sync:
             await self._ready(epoch, step)
-        return self.lookup(token, keys)
+        return (*self._current(), self.lookup(token, keys))
 
     async def _ready(self, epoch: int, step: int) -> None:
         if (self.epoch, self.step) >= (epoch, step):
@@ -767,8 +768,9 @@ class FreeShard(_ShardCore):
 
     def lookup_at(
         self, token: str | None, keys: Any, epoch: int | None = None, step: int = 0
-    ) -> tuple[np.ndarray | None, ...]:
-        return self.lookup(token, keys)
+    ) -> Any:
+        """``(version, inline, ref, rows per table)`` now (async: nothing to wait for)."""
+        return (*self._current(), self.lookup(token, keys))
 
     def _newest(self) -> tuple[int, np.ndarray | None, Any]:
         # In async mode versions change with every push, so most are pulled once: the

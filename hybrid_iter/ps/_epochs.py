@@ -127,9 +127,22 @@ class Epochs(CoordinatorOperator):
 
     @staticmethod
     def _get(calls: list[Any]) -> list[Any]:
+        """The shards' replies. The coordinator waits for them on purpose (a reset, a
+        checkpoint and a restore must be complete before the epoch goes on; the shards
+        never call the coordinator, so this cannot deadlock): Ray's once-per-process
+        warning about blocking gets in async actors is kept for the user's own code."""
         import ray
 
-        return list(ray.get(calls))
+        try:
+            from ray._private import worker as ray_worker
+        except ImportError:  # pragma: no cover - a Ray without that module: plain get
+            return list(ray.get(calls))
+        warned = getattr(ray_worker, "blocking_get_inside_async_warned", True)
+        ray_worker.blocking_get_inside_async_warned = True
+        try:
+            return list(ray.get(calls))
+        finally:
+            ray_worker.blocking_get_inside_async_warned = warned
 
     def open(self, init_variables: Any, ctx: Any) -> None:
         self.sums: dict[int, list[float]] = {}
