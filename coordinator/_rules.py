@@ -270,7 +270,8 @@ def ftrl_step(
     sigma = (root - np.sqrt(n)) / alpha
     z_new = z + (g - sigma * w)
     shrink = np.abs(z_new) > l1
-    w_new = np.where(shrink, -(z_new - np.sign(z_new) * l1) / ((beta + root) / alpha + l2), 0.0)
+    w_new = np.zeros_like(z_new)
+    np.divide(-(z_new - np.sign(z_new) * l1), (beta + root) / alpha + l2, out=w_new, where=shrink)
     return w_new, z_new, n_new
 
 

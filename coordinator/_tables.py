@@ -47,13 +47,11 @@ _MASK32 = _U64(0xFFFFFFFF)
 
 
 def mix64(keys: np.ndarray, salt: int = 0) -> np.ndarray:
-    """The splitmix64 finalizer of ``keys + salt * golden`` as uint64 (wrapping arithmetic)."""
+    """splitmix64 of the state ``key + (salt + 1) * golden`` as uint64 (wrapping
+    arithmetic): the golden-ratio step first, so no key is a fixed point (0 included)."""
     x = np.asarray(keys, dtype=np.int64).view(np.uint64)
     with np.errstate(over="ignore"):
-        if salt:
-            x = x + _U64((0x9E3779B97F4A7C15 * salt) & 0xFFFFFFFFFFFFFFFF)
-        else:
-            x = x.copy()
+        x = x + _U64((0x9E3779B97F4A7C15 * (salt + 1)) & 0xFFFFFFFFFFFFFFFF)
         x ^= x >> _U64(30)
         x *= _U64(0xBF58476D1CE4E5B9)
         x ^= x >> _U64(27)

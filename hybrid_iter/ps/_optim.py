@@ -126,6 +126,7 @@ class FTRL(Optimizer):
 
     def __post_init__(self) -> None:
         _check("FTRL", "alpha", self.alpha, low=0, high=math.inf, open_low=True)
-        _check("FTRL", "beta", self.beta, low=0, high=math.inf, open_low=False)
+        # beta > 0: a key's first step (n = 0) divides by (beta + sqrt(n)) / alpha + l2
+        _check("FTRL", "beta", self.beta, low=0, high=math.inf, open_low=True)
         _check("FTRL", "l1", self.l1, low=0, high=math.inf, open_low=False)
         _check("FTRL", "l2", self.l2, low=0, high=math.inf, open_low=False)
