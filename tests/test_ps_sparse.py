@@ -8,7 +8,6 @@ input is refused naming the argument."""
 from __future__ import annotations
 
 import math
-import re
 import tracemalloc
 
 import numpy as np
@@ -20,6 +19,7 @@ from coordinator._tables import Init, init_rows
 from hybrid_iter import ps
 
 N, PARTS = 240, 2
+ZEROS = Init()
 
 
 def _ids(rng, n):
@@ -76,7 +76,7 @@ def lr_predict(params, batch):
 class NumpyTable:
     """The reference: a table as a dict of rows, updated by a numpy loop."""
 
-    def __init__(self, dim, init=Init()):
+    def __init__(self, dim, init=ZEROS):
         self.dim, self.init = dim, init
         self.rows: dict[int, np.ndarray] = {}
         self.state: dict[int, dict[str, np.ndarray]] = {}
@@ -88,7 +88,7 @@ class NumpyTable:
         return np.array([self.rows[int(k)] for k in keys]).reshape(len(keys), self.dim)
 
 
-def numpy_sync(bags, y, x, *, epochs, batch, update, dim=1, init=Init()):
+def numpy_sync(bags, y, x, *, epochs, batch, update, dim=1, init=ZEROS):
     """The sync reference: each step's global batch is every partition's next local batch;
     per partition, the gradient of its batch (sums in entry order, as np.bincount); the
     step's gradient of each key is the partitions' row-weighted sum in partition order;
@@ -120,7 +120,9 @@ def numpy_sync(bags, y, x, *, epochs, batch, update, dim=1, init=Init()):
                     gsum[int(k)] = gsum.get(int(k), 0.0) + (v * scale if len(chunks) > 1 else v)
                 part = {"a": np.array([r @ x[c]]), "b": np.array([r.sum()])}
                 for name in dsum:
-                    dsum[name] = dsum[name] + (part[name] * scale if len(chunks) > 1 else part[name])
+                    dsum[name] = dsum[name] + (
+                        part[name] * scale if len(chunks) > 1 else part[name]
+                    )
             for name in dense:
                 dense[name] = update("dense", name, dense[name], dsum[name])
             for k, gk in gsum.items():
@@ -188,5 +190,271 @@ def test_sync_ftrl_on_a_table_equals_the_numpy_loop(clicks):
         )
         np.testing.assert_array_equal(out.params["b"], dense["b"])
         assert (out.lookup("w", keys) == 0).any()  # l1 keeps weak keys exactly 0
+    finally:
+        out.close()
+
+
+def test_the_dense_and_the_table_path_of_one_model_agree(spark):
+    """The same logistic regression on ids in [0, 64): a dense (64,) weight vector with
+    ps.Sparse pushes, and a table; sync SGD gives the same numbers, and the dense entries
+    no batch touched stay 0."""
+    rng = np.random.default_rng(5)
+    rows = []
+    for _ in range(200):
+        bag = rng.choice(48, size=int(rng.integers(1, 5)), replace=False)
+        rows.append(([int(b) for b in bag], float(rng.random() < 0.5)))
+    df = spark.createDataFrame(
+        spark.sparkContext.parallelize(rows, PARTS), "ids array<long>, label double"
+    )
+
+    def dense_grad(params, batch):
+        x, y = batch["ids"], batch["label"]
+        z = x.dot(params["w"]) + params["b"][0]
+        r = (1 / (1 + np.exp(-z)) - y) / len(y)
+        loss = float(np.mean(np.logaddexp(0, z) - y * z))
+        return loss, {"w": x.t_dot(r, like=params["w"]), "b": np.array([r.sum()])}
+
+    def table_grad(params, batch):
+        x, y = batch["ids"], batch["label"]
+        z = x.dot(params["w"])[:, 0] + params["b"][0]
+        r = (1 / (1 + np.exp(-z)) - y) / len(y)
+        loss = float(np.mean(np.logaddexp(0, z) - y * z))
+        return loss, {"w": x.t_dot(r), "b": np.array([r.sum()])}
+
+    kw = {"optimizer": ps.SGD(0.8), "epochs": 3, "batch_size": 30, "parallelism": PARTS}
+    dense = ps.train(
+        df, dense_grad, {"w": np.zeros(64), "b": np.zeros(1)}, sparse_columns=["ids"], **kw
+    )
+    table = ps.train(
+        df, table_grad, {"w": ps.Table(), "b": np.zeros(1)}, keys={"w": "ids"}, num_shards=3, **kw
+    )
+    try:
+        touched = np.unique(np.concatenate([r[0] for r in rows]))
+        np.testing.assert_array_equal(table.lookup("w", touched)[:, 0], dense.params["w"][touched])
+        np.testing.assert_array_equal(table.params["b"], dense.params["b"])
+        untouched = np.setdiff1d(np.arange(64), touched)
+        assert (dense.params["w"][untouched] == 0).all()
+        assert table.params["w"].num_keys == len(touched)
+        assert table.loss == dense.loss
+    finally:
+        table.close()
+
+
+def _fm_grad(params, batch):
+    """A factorization machine (k factors) on a bag of ids, squared loss."""
+    x, y = batch["ids"], batch["label"]
+    v = params["v"]
+    s = x.dot(v)  # (n, k)
+    s2 = x.square().dot(ps.Rows("v", v.ids, v.values * v.values))
+    z = x.dot(params["w"])[:, 0] + 0.5 * (s * s - s2).sum(axis=1)
+    r = (z - y) / len(y)
+    gv = x.t_dot(r[:, None] * s) - v.values * x.square().t_dot(r)
+    return float(np.mean((z - y) ** 2) / 2), {"w": x.t_dot(r), "v": gv}
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_lazy_rows_do_not_depend_on_the_shard_count_or_the_order(clicks, shuffle):
+    """An FM whose factors start from a seeded normal: sync runs on 1, 2 and 3 shards (and
+    with the rows in another order) give the same bits; a key never touched reads as its
+    initializer's value (and is not created)."""
+    df = clicks[0]
+    runs = []
+    for shards in (1, 2, 3):
+        out = ps.train(
+            df,
+            _fm_grad,
+            {"w": ps.Table(), "v": ps.Table(dim=4, init=ps.Normal(0.1, seed=11))},
+            keys={"w": "ids", "v": "ids"},
+            optimizer=ps.Adagrad(0.05),
+            epochs=2,
+            batch_size=40,
+            num_shards=shards,
+            shuffle=shuffle,
+            parallelism=PARTS,
+        )
+        runs.append(out)
+    try:
+        keys = np.unique(np.concatenate(clicks[1]))
+        first = runs[0].lookup("v", keys)
+        for out in runs[1:]:
+            np.testing.assert_array_equal(out.lookup("v", keys), first)
+            np.testing.assert_array_equal(out.lookup("w", keys), runs[0].lookup("w", keys))
+            assert out.loss == runs[0].loss
+        fresh = np.array([123456789012345, -987654321])
+        want = init_rows(Init("normal", {"std": 0.1, "mean": 0.0}, 11), fresh, 4)
+        np.testing.assert_array_equal(runs[2].lookup("v", fresh), want)
+        assert runs[2].params["v"].num_keys == len(keys)
+        assert sum(s["tables"]["v"]["keys"] for s in runs[2].shards) == len(keys)
+        assert all(s["tables"]["v"]["keys"] > 0 for s in runs[2].shards)
+    finally:
+        for out in runs:
+            out.close()
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return -1
+
+
+def test_a_2_pow_30_wide_sparse_vector_column_trains_in_bounded_memory(spark):
+    """Hashed features in a 2^30-wide SparseVector column (one row densified would be
+    8 GiB): training reads its indices and values as CSR. Asserted: the Python memory the
+    training steps allocate (traced from the first step on) stays under 16 MB, and the
+    peak resident set of the Spark task's process stays far under one dense row."""
+    from pyspark.ml.linalg import SparseVector, VectorUDT
+    from pyspark.sql.types import DoubleType, StructField, StructType
+
+    rng = np.random.default_rng(7)
+    width = 2**30
+    rows = []
+    for _ in range(400):
+        idx = np.unique(rng.integers(0, width, 12))
+        rows.append(
+            (
+                SparseVector(width, idx.tolist(), rng.normal(size=len(idx)).tolist()),
+                float(rng.random() < 0.3),
+            )
+        )
+    schema = StructType([StructField("features", VectorUDT()), StructField("label", DoubleType())])
+    df = spark.createDataFrame(spark.sparkContext.parallelize(rows, PARTS), schema)
+
+    def grad(params, batch):
+        x, y = batch["features"], batch["label"]
+        if not tracemalloc.is_tracing():
+            tracemalloc.start()
+        z = x.dot(params["w"])[:, 0] + params["b"][0]
+        r = (1 / (1 + np.exp(-z)) - y) / len(y)
+        _, peak = tracemalloc.get_traced_memory()
+        assert peak < 16 * 2**20, f"steps allocated {peak} bytes"
+        assert _peak_rss() < 2 * 2**30, f"peak RSS {_peak_rss()}"
+        loss = float(np.mean(np.logaddexp(0, z) - y * z))
+        return loss, {"w": x.t_dot(r), "b": np.array([r.sum()])}
+
+    out = ps.train(
+        df,
+        grad,
+        {"w": ps.Table(), "b": np.zeros(1)},
+        keys={"w": "features"},
+        optimizer=ps.FTRL(alpha=0.1, l1=0.01),
+        epochs=3,
+        batch_size=64,
+        parallelism=PARTS,
+    )
+    try:
+        keys = np.unique(np.concatenate([r[0].indices for r in rows]))
+        assert out.params["w"].num_keys == len(keys)
+        assert out.loss[-1] < out.loss[0]
+    finally:
+        out.close()
+
+
+def test_save_load_and_transform_round_trip(clicks, tmp_path, spark):
+    """save writes each shard's rows (Parquet: key, values) and the dense parameters;
+    load brings them into new shards (another shard count: rows re-hashed); transform
+    scores a DataFrame by looking rows up, equal to predict_fn on the trained params; an
+    unknown id reads as the initializer's value; to_dataframe exports (key, vector)."""
+    df, bags, y, x = clicks
+    out = ps.train(
+        df,
+        lr_grad,
+        {"w": ps.Table(init=ps.Normal(0.01, seed=3)), "a": np.zeros(1), "b": np.zeros(1)},
+        keys={"w": "ids"},
+        optimizer=ps.FTRL(alpha=0.3, l1=0.01),
+        epochs=2,
+        batch_size=40,
+        num_shards=2,
+        parallelism=PARTS,
+        predict_fn=lr_predict,
+    )
+    uri = str(tmp_path / "model")
+    try:
+        out.save(uri)
+        scored = out.transform(df).toPandas()
+        keys = np.unique(np.concatenate(bags))
+        trained = out.lookup("w", keys)
+        exported = out.to_dataframe(spark, "w").toPandas()
+    finally:
+        out.close()
+    import pyarrow.parquet as pq
+
+    parts = pq.read_table(str(tmp_path / "model" / "tables" / "w")).to_pydict()
+    assert sorted(parts["key"]) == keys.tolist()
+    assert sorted(exported["key"]) == keys.tolist()
+    got = dict(zip(exported["key"], (v.toArray()[0] for v in exported["vector"])))
+    assert [got[int(k)] for k in keys] == trained[:, 0].tolist()
+    # the scores are predict_fn on the trained rows
+    table = dict(zip(keys.tolist(), trained[:, 0]))
+    want = []
+    for ids_, xi in zip(scored["ids"], scored["x"]):
+        z = sum(table[int(k)] for k in ids_) + out.params["a"][0] * xi + out.params["b"][0]
+        want.append(1 / (1 + math.exp(-z)))
+    np.testing.assert_allclose(scored["prediction"], want, rtol=1e-12)
+    loaded = ps.load(uri, num_shards=3, predict_fn=lr_predict)
+    try:
+        np.testing.assert_array_equal(loaded.lookup("w", keys), trained)
+        unknown = np.array([2**62 + 1])
+        np.testing.assert_array_equal(
+            loaded.lookup("w", unknown), init_rows(Init("normal", {"std": 0.01}, 3), unknown, 1)
+        )
+        again = loaded.transform(df).toPandas()
+        np.testing.assert_array_equal(again["prediction"], scored["prediction"])
+        np.testing.assert_array_equal(loaded.params["b"], out.params["b"])
+    finally:
+        loaded.close()
+    with pytest.raises(hi.UsageError, match="closed"):
+        loaded.lookup("w", keys)
+
+
+def test_evaluation_per_epoch_and_early_stopping(clicks):
+    """eval_df is scored after every epoch (log loss and AUC, equal to scikit-learn's on
+    the model of that epoch's end); early_stopping stops after that many epochs without
+    a better log loss; the per-shard counters are in the result. The evaluation rows are
+    the training rows with their labels flipped: the better the fit, the worse it does
+    there, so the run stops 2 epochs after its first."""
+    from pyspark.sql import functions as F
+    from sklearn.metrics import log_loss as sk_log_loss
+    from sklearn.metrics import roc_auc_score
+
+    df, bags, y, x = clicks
+    flipped = df.withColumn("label", 1.0 - F.col("label"))
+    y = 1.0 - y
+    out = ps.train(
+        df,
+        lr_grad,
+        {"w": ps.Table(), "a": np.zeros(1), "b": np.zeros(1)},
+        keys={"w": "ids"},
+        optimizer=ps.SGD(0.5),
+        epochs=30,
+        batch_size=40,
+        parallelism=PARTS,
+        eval_df=flipped,
+        predict_fn=lr_predict,
+        early_stopping=2,
+    )
+    try:
+        ev = out.eval
+        assert len(ev) == out.result.epochs == 3
+        losses = [e["log_loss"] for e in ev]
+        assert losses[0] < losses[1] < losses[2]  # the best first, then 2 without a better
+        assert out.best == {"epoch": 0, "log_loss": losses[0]}
+        assert all(0 <= e["auc"] <= 1 and e["rows"] == N for e in ev)
+        # the last epoch's metrics are the final model's
+        keys = np.unique(np.concatenate(bags))
+        table = dict(zip(keys.tolist(), out.lookup("w", keys)[:, 0]))
+        z = np.array([sum(table[int(k)] for k in bag) for bag in bags])
+        p = 1 / (1 + np.exp(-(z + out.params["a"][0] * x + out.params["b"][0])))
+        assert ev[-1]["log_loss"] == pytest.approx(sk_log_loss(y, p), rel=1e-9)
+        assert ev[-1]["auc"] == pytest.approx(roc_auc_score(y, p), rel=1e-9)
+        shards = out.shards
+        assert sum(s["tables"]["w"]["keys"] for s in shards) == len(keys)
+        assert all(s["bytes_in"] > 0 and s["bytes_out"] > 0 and s["calls"] > 0 for s in shards)
+        for s in shards:
+            t = s["tables"]["w"]
+            assert 0 < t["hottest_share"] <= 1 and len(t["hottest"]) == 10
+        per_epoch = out.result.outputs["shards"]
+        assert len(per_epoch) == len(ev) and per_epoch[0]["keys"] == len(keys)
     finally:
         out.close()

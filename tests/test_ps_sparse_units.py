@@ -25,7 +25,6 @@ from coordinator._rules import AdagradRule, FTRLRule, SGDRule, ftrl_step
 from coordinator._tables import (
     Init,
     KeyIndex,
-    Table,
     TableSpec,
     init_rows,
     mix64,
@@ -38,6 +37,7 @@ from hybrid_iter.ps._client import TablePlan, step_keys
 from hybrid_iter.ps._epochs import auc, log_loss
 
 int64s = st.integers(-(2**63), 2**63 - 1)
+ZEROS = Init()
 
 # -- the index --------------------------------------------------------------------------------
 
@@ -135,7 +135,10 @@ def test_philox_known_answer():
 )
 def test_a_rows_initial_value_depends_on_its_seed_and_key_only(keys, dim, seed, rnd):
     """Any batching and order give each key the same row."""
-    for init in (Init("normal", {"std": 0.1, "mean": 0.5}, seed), Init("uniform", {"low": -1, "high": 2}, seed)):
+    for init in (
+        Init("normal", {"std": 0.1, "mean": 0.5}, seed),
+        Init("uniform", {"low": -1, "high": 2}, seed),
+    ):
         whole = init_rows(init, np.array(keys, dtype=np.int64), dim)
         order = list(range(len(keys)))
         rnd.shuffle(order)
@@ -387,7 +390,7 @@ def test_csr_helpers_are_dense_numpy():
 # -- a shard's table protocol -------------------------------------------------------------------
 
 
-def _table_shard(shell, *, sync=True, num_workers=1, rule="sgd", params=None, init=Init()):
+def _table_shard(shell, *, sync=True, num_workers=1, rule="sgd", params=None, init=ZEROS):
     spec = ShardSpec(
         shard_id=0,
         lo=0,
@@ -418,7 +421,9 @@ def test_a_shard_creates_rows_once_and_applies_pushes_to_the_rows_it_sent(shell)
     nxt = np.array([-3, 11])
     reply = _run(shard.push(0, 0, 0, None, 1.0, False, True, "t0", (g,), (nxt,), 2))
     (after,) = reply[3]
-    np.testing.assert_array_equal(after, np.r_[init_rows(init, nxt[:1], 2) - 0.5, init_rows(init, nxt[1:], 2)])
+    np.testing.assert_array_equal(
+        after, np.r_[init_rows(init, nxt[:1], 2) - 0.5, init_rows(init, nxt[1:], 2)]
+    )
     assert len(shard.tables[0]) == 4  # 7, -3, 2**62, 11: each created once
     # a push whose rows do not match what was sent, or NaN: refused whole
     with pytest.raises(hi.UsageError, match="rows of shape"):
@@ -445,7 +450,9 @@ def test_a_shard_snapshot_restores_exactly(tmp_path):
         keys = rng.integers(-50, 50, 12)
         keys = np.unique(keys)
         shard.pull(0, s, "t0", 0, (keys,))
-        shard.push(0, 0, s, None, 1.0, False, False, "t0", (rng.normal(size=(len(keys), 2)),), None, 5)
+        shard.push(
+            0, 0, s, None, 1.0, False, False, "t0", (rng.normal(size=(len(keys), 2)),), None, 5
+        )
     saved = shard.save_checkpoint(str(tmp_path), "part-x.ckpt", "cut1")
     assert saved["rows"] == len(shard.tables[0])
     before = shard.tables[0].items()

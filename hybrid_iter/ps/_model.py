@@ -330,7 +330,10 @@ class Model:
             predict_fn=fn,
             output_col=output_col,
         )
-        return df.mapInArrow(task, schema)
+        from .._runtime.shipping import dumps
+
+        # the user's predict_fn from their own files is pickled by value, as operators are
+        return df.mapInArrow(_Shipped(dumps(task, "predict_fn")), schema)
 
     def close(self) -> None:
         """Stop the shards (the tables are gone unless saved)."""
@@ -385,6 +388,19 @@ def _export_fn(address: str, names: Sequence[str], table: str) -> Any:
                     )
 
     return export
+
+
+class _Shipped:
+    """A pickled ``mapInArrow`` function, unpickled once per task (in Spark tasks)."""
+
+    def __init__(self, blob: bytes) -> None:
+        self.blob = blob
+
+    def __call__(self, batches: Iterator[Any]) -> Iterator[Any]:
+        import cloudpickle
+
+        fn = cloudpickle.loads(self.blob)
+        yield from fn(batches)
 
 
 @dataclass(frozen=True)
