@@ -149,6 +149,8 @@ class _ShardCore:
         # worker call is taken until the run's coordinator restores or resets it
         self.restarted = _was_reconstructed()
         self.token = None if self.restarted else spec.token
+        # what the last reset replaced: a restore right after it reports that
+        self._replaced: tuple[bool, int, dict[int, tuple[int, int]]] | None = None
 
     def _fresh(self) -> None:
         """The state of a new shard: initial dense values, empty tables, step 0."""
@@ -220,8 +222,9 @@ class _ShardCore:
         }
 
     def reset(self, token: str) -> None:
-        """Back to the initial state (a relaunch without a checkpoint), under ``token``."""
+        """Back to the initial state (a new launch of the stage), under ``token``."""
         self._cancel_waiters("the shards were reset for a relaunch")
+        self._replaced = (self.restarted, self.stats["updates"], dict(self.positions))
         self._fresh()
         self.token = token
         self.restarted = False
@@ -260,8 +263,12 @@ class _ShardCore:
                 f"parameter shard {self.spec.shard_id}: {uri}/{name} belongs to another "
                 f"checkpoint (cut {snap.get('cut')!r}, expected {cut!r}); not restored"
             )
-        lost = self.restarted
-        before = (self.stats["updates"], dict(self.positions))
+        lost, updates, positions = (
+            self._replaced
+            if self._replaced is not None
+            else (self.restarted, self.stats["updates"], dict(self.positions))
+        )
+        self._replaced = None
         self._cancel_waiters("the shards were restored from a checkpoint")
         self._fresh()
         self._restore(snap)
@@ -270,8 +277,8 @@ class _ShardCore:
         self.stats["restores"] += 1
         return {
             "shard": self.spec.shard_id,
-            "discarded_updates": None if lost else before[0] - self.stats["updates"],
-            "positions_before": None if lost else before[1],
+            "discarded_updates": None if lost else updates - self.stats["updates"],
+            "positions_before": None if lost else positions,
             "positions_cut": dict(self.positions),
         }
 

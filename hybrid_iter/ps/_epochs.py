@@ -36,7 +36,27 @@ from .._operators import CoordinatorOperator
 from ..ml._sgd import DIVERGENCE_PATIENCE, LossWatch
 from ._optim import Optimizer
 
-__all__ = ["METRICS", "Epochs", "auc", "log_loss"]
+__all__ = ["METRICS", "RESTART_WAIT", "Epochs", "auc", "log_loss"]
+
+#: seconds the coordinator keeps asking a shard Ray is restarting
+RESTART_WAIT = 120.0
+
+
+def _quiet_get(ref: Any) -> Any:
+    """``ray.get`` without Ray's once-per-process warning about blocking gets in async
+    actors (it stays for the user's own code; see ``Epochs._each``)."""
+    import ray
+
+    try:
+        from ray._private import worker as ray_worker
+    except ImportError:  # pragma: no cover - a Ray without that module: plain get
+        return ray.get(ref)
+    warned = getattr(ray_worker, "blocking_get_inside_async_warned", True)
+    ray_worker.blocking_get_inside_async_warned = True
+    try:
+        return ray.get(ref)
+    finally:
+        ray_worker.blocking_get_inside_async_warned = warned
 
 
 def log_loss(p: np.ndarray, y: np.ndarray) -> float:
@@ -125,24 +145,41 @@ class Epochs(CoordinatorOperator):
             self._handles = [ray.get_actor(n, namespace=NAMESPACE) for n in self.shard_names]
         return self._handles
 
-    @staticmethod
-    def _get(calls: list[Any]) -> list[Any]:
-        """The shards' replies. The coordinator waits for them on purpose (a reset, a
-        checkpoint and a restore must be complete before the epoch goes on; the shards
-        never call the coordinator, so this cannot deadlock): Ray's once-per-process
-        warning about blocking gets in async actors is kept for the user's own code."""
+    def _each(self, method: str, *per_shard: Sequence[Any]) -> list[Any]:
+        """``method`` on every shard (shard ``i`` with ``per_shard[k][i]`` as its k-th
+        argument), all at once; their replies.
+
+        Every call made here (reset, restore, checkpoint, counters) may be made again:
+        a shard Ray is restarting after its process died answers "unavailable" (the call
+        may or may not have run) until its new process is up, so such a call is made
+        again, for up to ``RESTART_WAIT`` seconds. Workers' pushes are never retried
+        (one could be applied twice): their task fails and the launch is redone.
+
+        The coordinator waits for the replies on purpose (a reset, a checkpoint, a
+        restore must be complete before the run goes on; the shards never call the
+        coordinator, so this cannot deadlock): Ray's once-per-process warning about
+        blocking gets in async actors is kept for the user's own code."""
         import ray
 
-        try:
-            from ray._private import worker as ray_worker
-        except ImportError:  # pragma: no cover - a Ray without that module: plain get
-            return list(ray.get(calls))
-        warned = getattr(ray_worker, "blocking_get_inside_async_warned", True)
-        ray_worker.blocking_get_inside_async_warned = True
-        try:
-            return list(ray.get(calls))
-        finally:
-            ray_worker.blocking_get_inside_async_warned = warned
+        handles = self._shards()
+        args = [tuple(a[i] for a in per_shard) for i in range(len(handles))]
+        out: list[Any] = [None] * len(handles)
+        todo = list(range(len(handles)))
+        deadline = time.monotonic() + RESTART_WAIT
+        while todo:
+            refs = [getattr(handles[i], method).remote(*args[i]) for i in todo]
+            again = []
+            for i, ref in zip(todo, refs):
+                try:
+                    out[i] = _quiet_get(ref)
+                except ray.exceptions.ActorUnavailableError:
+                    if time.monotonic() > deadline:
+                        raise
+                    again.append(i)
+            todo = again
+            if todo:
+                time.sleep(0.2)  # Ray is restarting a shard's process: poll it, bounded
+        return out
 
     def open(self, init_variables: Any, ctx: Any) -> None:
         self.sums: dict[int, list[float]] = {}
@@ -160,7 +197,7 @@ class Epochs(CoordinatorOperator):
         # call of an earlier launch's task can touch what this launch computes
         self.token = uuid.uuid4().hex[:16]
         if self.shard_names:
-            self._get([h.reset.remote(self.token) for h in self._shards()])
+            self._each("reset", [self.token] * len(self.shard_names))
 
     def snapshot_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -176,12 +213,8 @@ class Epochs(CoordinatorOperator):
             cut = uuid.uuid4().hex[:16]
             names = [f"part-{cut}-s{i:04d}.ckpt" for i in range(len(self.shard_names))]
             started = time.perf_counter()
-            written = self._get(
-                [
-                    h.save_checkpoint.remote(self.parts_uri, names[i], cut)
-                    for i, h in enumerate(self._shards())
-                ]
-            )
+            n = len(self.shard_names)
+            written = self._each("save_checkpoint", [self.parts_uri] * n, names, [cut] * n)
             self.parts.append((cut, names))
             self._prune()
             state["parts"] = list(self.parts)
@@ -213,11 +246,9 @@ class Epochs(CoordinatorOperator):
         if not self.shard_names or self.parts_uri is None or not self.parts:
             return
         cut, names = self.parts[-1]
-        got = self._get(
-            [
-                h.restore_checkpoint.remote(self.parts_uri, names[i], cut, self.token)
-                for i, h in enumerate(self._shards())
-            ]
+        n = len(self.shard_names)
+        got = self._each(
+            "restore_checkpoint", [self.parts_uri] * n, names, [cut] * n, [self.token] * n
         )
         self.reports.append(_replayed(got))
 
@@ -264,7 +295,7 @@ class Epochs(CoordinatorOperator):
     def _shard_line(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Each shard's counters now, and a summary of the epoch: keys held, bytes in and
         out per step, the balance of keys over shards."""
-        infos = self._get([h.info.remote() for h in self._shards()])
+        infos = self._each("info")
         before = {i["shard"]: i for i in self.last_info}
         keys = [sum(t["keys"] for t in i["tables"].values()) for i in infos]
         moved = sum(

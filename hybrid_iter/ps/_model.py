@@ -60,6 +60,10 @@ class _Owner:
         if self.closed:
             return
         self.closed = True
+        import ray
+
+        if not ray.is_initialized():
+            return  # Ray is gone (the session ended): its actors with it
         from .._runtime.placement import kill
 
         for i, h in enumerate(self.handles):

@@ -560,6 +560,7 @@ def train(
             staleness_steps=staleness_steps,
             max_restarts=config.restarts,
             key=key,
+            label=config.name or "train",
         )
         made.shard_names, made.shards, made.held = shard_names, shards, held
         evaluation = None
@@ -710,6 +711,7 @@ def _launch(
     staleness_steps: int | None = None,
     max_restarts: int = 0,
     key: bytes = b"",
+    label: str = "train",
 ) -> tuple[list[str], list[Any], list[Any]]:
     """``launch_shards`` with tables, a step staleness bound, restarts (then the third
     item holds the creation arguments, to keep while Ray may restart a shard) and the
@@ -724,7 +726,9 @@ def _launch(
     shard_cls = actor_class(
         shard_class(sync, staleness_steps), max_concurrency=concurrency, max_restarts=max_restarts
     )
-    names = [f"hybrid_iter.ps.{run_id}.shard{i}" for i in range(len(bounds) - 1)]
+    # the run's name in the actors' names: findable by it (dashboard, state API)
+    tag = "".join(c if c.isalnum() or c in "-_" else "_" for c in label)[:40] or "train"
+    names = [f"hybrid_iter.ps.{tag}.{run_id}.shard{i}" for i in range(len(bounds) - 1)]
     handles: list[Any] = []
     held: list[Any] = []
     try:
