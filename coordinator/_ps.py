@@ -224,7 +224,7 @@ class _ShardCore:
     def reset(self, token: str) -> None:
         """Back to the initial state (a new launch of the stage), under ``token``."""
         self._cancel_waiters("the shards were reset for a relaunch")
-        self._replaced = (self.restarted, self.stats["updates"], dict(self.positions))
+        self._replaced = (self.restarted, int(self.stats["updates"]), dict(self.positions))
         self._fresh()
         self.token = token
         self.restarted = False
