@@ -143,6 +143,8 @@ class _ShardCore:
             "bytes_out": 0,
             "lookups": 0,
             "restores": 0,
+            "gate_waits": 0,
+            "max_lead": 0,
         }
         self._fresh()
         # a shard Ray restarted after its process died holds nothing of the run: no
@@ -481,20 +483,23 @@ class _ShardCore:
         pos = self.positions.get(pid)
         return 0 if pos is None else pos[0] * width + pos[1] + 1
 
-    def _may_go(self, pid: int) -> bool:
-        """Async with ``staleness_steps=k``: ``pid`` may take its next step when it has
-        done at most ``k`` steps more than the slowest worker (steps counted over
-        epochs of the longest worker's length; retired workers do not count)."""
-        k = self.spec.staleness_steps
-        if k is None:
-            return True
+    def _lead(self, pid: int) -> int:
+        """How many steps ``pid`` has done more than the slowest other worker (steps
+        counted over epochs of the longest worker's length; retired workers do not
+        count)."""
         width = max(self._spans.values(), default=1)
         others = [
             self._done_steps(q, width)
             for q in range(self.spec.num_workers)
             if q != pid and q not in self._retired
         ]
-        return not others or self._done_steps(pid, width) - min(others) <= k
+        return self._done_steps(pid, width) - min(others) if others else 0
+
+    def _may_go(self, pid: int) -> bool:
+        """Async with ``staleness_steps=k``: ``pid`` may take its next step when it has
+        done at most ``k`` steps more than the slowest worker."""
+        k = self.spec.staleness_steps
+        return k is None or self._lead(pid) <= k
 
     def _open_gates(self) -> None:
         keep = []
@@ -671,7 +676,10 @@ class ParameterShard(_ShardCore):
             if not self._may_go(pid):
                 fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
                 self._gates.append((pid, fut))
+                self.stats["gate_waits"] += 1
                 await fut
+            # the lead a released worker starts its next step with (at most the bound)
+            self.stats["max_lead"] = max(self.stats["max_lead"], self._lead(pid))
             self.stats["pulls"] += 1
             return self._reply(pid, self._current(), keys)
         if is_step:

@@ -8,6 +8,7 @@ input is refused naming the argument."""
 from __future__ import annotations
 
 import math
+import re
 import tracemalloc
 
 import numpy as np
@@ -88,7 +89,7 @@ class NumpyTable:
         return np.array([self.rows[int(k)] for k in keys]).reshape(len(keys), self.dim)
 
 
-def numpy_sync(bags, y, x, *, epochs, batch, update, dim=1, init=ZEROS):
+def numpy_sync(bags, y, x, *, epochs, batch, update, dim=1, init=ZEROS, steps=None):
     """The sync reference: each step's global batch is every partition's next local batch;
     per partition, the gradient of its batch (sums in entry order, as np.bincount); the
     step's gradient of each key is the partitions' row-weighted sum in partition order;
@@ -96,9 +97,9 @@ def numpy_sync(bags, y, x, *, epochs, batch, update, dim=1, init=ZEROS):
     table = NumpyTable(dim, init)
     dense = {"a": np.zeros(1), "b": np.zeros(1)}
     parts = np.array_split(np.arange(N), PARTS)
-    steps = max(math.ceil(len(p) / batch) for p in parts)
+    per_epoch = max(math.ceil(len(p) / batch) for p in parts)
     for _ in range(epochs):
-        for s in range(steps):
+        for s in range(per_epoch if steps is None else steps):
             chunks = [p[s * batch : (s + 1) * batch] for p in parts]
             chunks = [c for c in chunks if len(c)]
             total = float(sum(len(c) for c in chunks))
@@ -456,5 +457,194 @@ def test_evaluation_per_epoch_and_early_stopping(clicks):
             assert 0 < t["hottest_share"] <= 1 and len(t["hottest"]) == 10
         per_epoch = out.result.outputs["shards"]
         assert len(per_epoch) == len(ev) and per_epoch[0]["keys"] == len(keys)
+    finally:
+        out.close()
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+
+def _last_job_id(sc) -> int:
+    """The id of a probe job run now (job ids grow by one per job, whatever its group):
+    two probes one id apart prove that no job ran between them."""
+    import uuid
+
+    group = f"probe-{uuid.uuid4().hex}"
+    sc.setJobGroup(group, "job probe")
+    try:
+        sc.parallelize([0], 1).count()
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+    return max(sc.statusTracker().getJobIdsForGroup(group))
+
+
+SHARED = ps.Table(dim=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"keys": {"w": "label"}},
+            "ps.train(keys=...): the id column 'label' has type double, which is not integral; "
+            "ids are read from integer columns",
+        ),
+        ({"keys": {"w": "floats"}}, "Cast it (F.col('floats').cast('array<long>'))"),
+        ({"keys": {"w": "name"}}, "the id column 'name' has type string"),
+        ({"keys": {"w": "nope"}}, "column 'nope' is not in the DataFrame"),
+        ({"keys": {}}, "gives no id column for the table 'w'"),
+        ({"keys": {"w": "ids", "b": "ids"}}, "names 'b', which is a dense parameter"),
+        ({"keys": {"w": "ids", "z": "ids"}}, "names 'z', which is not in init"),
+        ({"keys": {"w": ["ids", "ids"]}}, "lists a column twice"),
+        ({"keys": "ids"}, "must map each table's name to its id column(s)"),
+        (
+            {"init": {"u": SHARED, "v": SHARED}, "keys": {"u": "ids", "v": "ids"}},
+            "declares the table 'u' twice",
+        ),
+        ({"init": ps.Table()}, "a ps.Table must be named"),
+        (
+            {"sparse_columns": ["x"]},
+            "ps.train(sparse_columns=...): the id column 'x' has type double",
+        ),
+        ({"mode": "sync", "staleness_steps": 2}, "staleness_steps=...) bounds how far async"),
+        ({"mode": "async", "staleness_steps": -1}, "staleness_steps"),
+        ({"eval_df": "DF"}, "needs predict_fn"),
+        ({"early_stopping": 2}, "early_stopping=...) stops on an evaluation metric"),
+        (
+            {"eval_df": "DF", "predict_fn": lr_predict, "eval_metrics": ("accuracy",)},
+            "eval_metrics",
+        ),
+        ({"eval_df": "DF", "predict_fn": lr_predict, "label_col": "y"}, "label_col='y'"),
+        ({"checkpoint": "/tmp/x"}, "CheckpointConfig"),
+        ({"optimizer": ps.FTRL}, "ps.FTRL(...)"),
+    ],
+)
+def test_bad_input_is_refused_before_any_spark_job(spark, clicks, kwargs, message):
+    from pyspark.sql import functions as F
+
+    df = clicks[0].withColumn("floats", F.array(F.col("x"))).withColumn("name", F.lit("a"))
+    kwargs = dict(kwargs)
+    if kwargs.get("eval_df") == "DF":
+        kwargs["eval_df"] = df
+    init = kwargs.pop("init", {"w": ps.Table(), "b": np.zeros(1)})
+    kwargs.setdefault("keys", {"w": "ids"})
+    sc = spark.sparkContext
+    before = _last_job_id(sc)
+    with pytest.raises(hi.IterationConfigError, match=re.escape(message)):
+        ps.train(df, lr_grad, init, columns=["ids", "label", "x"], parallelism=PARTS, **kwargs)
+    assert _last_job_id(sc) == before + 1
+
+
+def test_a_gradient_of_the_wrong_dim_fails_naming_the_table_and_the_shape(clicks):
+    df = clicks[0]
+
+    def wrong(params, batch):
+        loss, g = lr_grad(params, batch)
+        g["v"] = np.zeros((len(params["v"].ids), 3))  # the table has dim 4
+        return loss, g
+
+    with pytest.raises(ps.TrainFailedError) as info:
+        ps.train(
+            df,
+            wrong,
+            {"w": ps.Table(), "v": ps.Table(dim=4), "a": np.zeros(1), "b": np.zeros(1)},
+            keys={"w": "ids", "v": "ids"},
+            epochs=1,
+            batch_size=50,
+            parallelism=PARTS,
+        )
+    message = str(info.value)
+    assert re.search(
+        r"grad_fn returned grad\['v'\] of shape \((\d+), 3\) \(float64\); the table 'v' has "
+        r"dim 4 and this batch references \1 of its keys: return an array of shape \(\1, 4\)",
+        message,
+    ), message
+    if info.value.params is not None:
+        info.value.params["w"].model.close()
+
+
+def test_a_nan_in_a_tables_gradient_names_the_table_and_the_key_and_loses_nothing(clicks):
+    """Partition 1's third step puts NaN in the gradient row of one key: the error names the
+    table, the key, the partition, epoch and step; the shards hold every earlier update
+    and nothing of that step (TrainFailedError.params reads them)."""
+    df, bags, y, x = clicks
+    lo = N // 2 + 60  # partition 1's step 2: its rows [60, 90)
+    bad_key = int(bags[next(i for i in range(lo, lo + 30) if len(bags[i]))][0])
+
+    class Bad:
+        calls = 0
+
+        def __call__(self, params, batch):
+            loss, g = lr_grad(params, batch)
+            if batch["x"][0] == x[N // 2 + 60]:  # partition 1's step 2 (3rd batch of 30)
+                g["w"] = g["w"].copy()
+                g["w"][np.flatnonzero(params["w"].ids == bad_key)[0], 0] = np.nan
+            return loss, g
+
+    with pytest.raises(ps.TrainFailedError) as info:
+        ps.train(
+            df,
+            Bad(),
+            {"w": ps.Table(), "a": np.zeros(1), "b": np.zeros(1)},
+            keys={"w": "ids"},
+            optimizer=ps.SGD(0.5),
+            epochs=2,
+            batch_size=30,
+            parallelism=PARTS,
+        )
+    err = info.value
+    assert f"grad['w'] for key {bad_key} (row" in str(err)
+    assert "in partition 1 at epoch 0, step 2; nothing of this step was sent" in str(err)
+    assert isinstance(err.failures[1].cause, ps.NonFiniteGradient)
+    try:
+        # what the shards hold: exactly the 2 steps before (the numpy loop stopped there)
+        table, dense = numpy_sync(
+            bags, y, x, epochs=1, batch=30, update=lambda k, n, v, g: v - 0.5 * g, steps=2
+        )
+        keys = np.array(sorted(table.rows))
+        np.testing.assert_array_equal(
+            err.params["w"].lookup(keys), np.array([table.rows[int(k)] for k in keys])
+        )
+        np.testing.assert_array_equal(err.params["b"], dense["b"])
+    finally:
+        err.params["w"].model.close()
+
+
+def test_staleness_steps_bounds_how_far_async_workers_run_apart(clicks, capsys):
+    """Async with staleness_steps=1 and a simulated straggler (partition 1 computes
+    slower): no worker starts a step more than 1 step ahead of the slowest (the shards
+    measure the lead of every step they release), the fast one waited for it, and the
+    run converges. The progress line shows the loss, the keys held and the bytes per call."""
+    import time
+
+    df, _, _, x = clicks
+    slow = set(x[N // 2 :].tolist())  # partition 1's rows
+
+    def slowed(params, batch):
+        if batch["x"][0] in slow:
+            time.sleep(0.01)  # a simulated straggler: this partition computes slower
+        return lr_grad(params, batch)
+
+    out = ps.train(
+        df,
+        slowed,
+        {"w": ps.Table(), "a": np.zeros(1), "b": np.zeros(1)},
+        keys={"w": "ids"},
+        optimizer=ps.Adagrad(0.2),
+        mode="async",
+        staleness_steps=1,
+        epochs=3,
+        batch_size=20,
+        num_shards=2,
+        parallelism=PARTS,
+        progress=True,
+    )
+    try:
+        assert all(s["max_lead"] <= 1 for s in out.shards)
+        assert sum(s["gate_waits"] for s in out.shards) > 0
+        assert all(s["updates"] == 2 * 6 * 3 for s in out.shards)
+        assert out.loss[-1] < out.loss[0]
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert re.search(r"epoch +3 +loss [\d.]+ +keys \d+ +kB/call [\d.]+", line), line
     finally:
         out.close()
