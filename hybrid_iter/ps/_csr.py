@@ -48,6 +48,17 @@ class Rows:
     def __repr__(self) -> str:
         return f"Rows({self.name!r}, {len(self.ids)} keys, dim {self.dim})"
 
+    def with_values(self, values: Any) -> Rows:
+        """The same rows with other values (e.g. ``v.with_values(v.values ** 2)``), for
+        ``CSR.dot``/``t_dot`` against them."""
+        values = np.asarray(values, dtype=np.float64)
+        if values.ndim != 2 or len(values) != len(self.ids):
+            raise ConfigTypeError(
+                f"Rows.with_values takes one row per id ({len(self.ids)}), got shape "
+                f"{values.shape}"
+            )
+        return Rows(self.name, self.ids, values)
+
     def positions(self, keys: Any) -> np.ndarray:
         """The row of each of ``keys`` in ``ids`` (every key must be among them)."""
         keys = np.asarray(keys, dtype=np.int64)
