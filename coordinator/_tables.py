@@ -92,8 +92,10 @@ class KeyIndex:
     def _alloc(self, cap: int) -> None:
         self.cap = cap
         self.mask = cap - 1
-        self.slot_keys = np.zeros(cap, dtype=np.int64)
-        self.slot_rows = np.full(cap, -1, dtype=np.int64)  # -1: empty
+        # one array of (key, row) pairs: a probe reads both from one cache line; row -1
+        # marks an empty slot (any key value may be a real key)
+        self.slots = np.zeros((cap, 2), dtype=np.int64)
+        self.slots[:, 1] = -1
 
     @classmethod
     def of(cls, keys: np.ndarray) -> KeyIndex:
@@ -111,7 +113,7 @@ class KeyIndex:
 
     @property
     def nbytes(self) -> int:
-        return int(self.slot_keys.nbytes + self.slot_rows.nbytes + self.keys_by_row.nbytes)
+        return int(self.slots.nbytes + self.keys_by_row.nbytes)
 
     def _home(self, keys: np.ndarray) -> np.ndarray:
         return (mix64(keys, self._SALT) & _U64(self.mask)).astype(np.int64)
@@ -122,23 +124,22 @@ class KeyIndex:
         consecutive slots per key still pending, so a long probe sequence costs a few
         rounds, not one round per slot."""
         keys = np.asarray(keys, dtype=np.int64)
-        out = np.full(len(keys), -1, dtype=np.int64)
         pos = self._home(keys)
-        rows = self.slot_rows[pos]
-        occupied = rows >= 0
-        hit = occupied & (self.slot_keys[pos] == keys)
-        out[hit] = rows[hit]
-        go_on = occupied & ~hit
-        pending = np.flatnonzero(go_on)
+        got = np.take(self.slots, pos, axis=0)
+        out = got[:, 1].copy()
+        occupied = out >= 0
+        hit = occupied & (got[:, 0] == keys)
+        out[~hit] = -1
+        pending = np.flatnonzero(occupied & ~hit)
         want = keys[pending]
         pos = (pos[pending] + 1) & self.mask
         # (window, keys): numpy's inner loops run along the keys, not along 8 slots
         window = np.arange(self._WINDOW)[:, None]
         while pending.size:
-            slots = (pos + window) & self.mask
-            rows = self.slot_rows[slots]
+            got = np.take(self.slots, (pos + window) & self.mask, axis=0)
+            rows = got[..., 1]
             empty = rows < 0
-            match = self.slot_keys[slots] == want
+            match = got[..., 0] == want
             match &= ~empty
             hit = match.any(axis=0)
             if hit.any():
@@ -169,14 +170,14 @@ class KeyIndex:
         pending = np.arange(len(keys))
         pos = self._home(keys)
         while pending.size:
-            free = self.slot_rows[pos] < 0
+            free = self.slots[pos, 1] < 0
             # several keys may want one free slot: the first of them takes it
             cand = np.flatnonzero(free)
             if cand.size:
                 slots, first = np.unique(pos[cand], return_index=True)
                 win = cand[first]
-                self.slot_keys[slots] = keys[pending[win]]
-                self.slot_rows[slots] = rows[pending[win]]
+                self.slots[slots, 0] = keys[pending[win]]
+                self.slots[slots, 1] = rows[pending[win]]
                 placed = np.zeros(len(pending), dtype=bool)
                 placed[win] = True
             else:
@@ -207,8 +208,8 @@ class KeyIndex:
         ramp = np.arange(len(h), dtype=np.int64)
         slot = np.maximum.accumulate(h - ramp) + ramp
         inside = slot < self.cap
-        self.slot_keys[slot[inside]] = keys[order[inside]]
-        self.slot_rows[slot[inside]] = rows[order[inside]]
+        self.slots[slot[inside], 0] = keys[order[inside]]
+        self.slots[slot[inside], 1] = rows[order[inside]]
         if not inside.all():
             self._place(keys[order[~inside]], rows[order[~inside]])
 

@@ -54,8 +54,7 @@ class Rows:
         values = np.asarray(values, dtype=np.float64)
         if values.ndim != 2 or len(values) != len(self.ids):
             raise ConfigTypeError(
-                f"Rows.with_values takes one row per id ({len(self.ids)}), got shape "
-                f"{values.shape}"
+                f"Rows.with_values takes one row per id ({len(self.ids)}), got shape {values.shape}"
             )
         return Rows(self.name, self.ids, values)
 
