@@ -348,6 +348,16 @@ def test_a_2_pow_30_wide_sparse_vector_column_trains_in_bounded_memory(spark):
         keys = np.unique(np.concatenate([r[0].indices for r in rows]))
         assert out.params["w"].num_keys == len(keys)
         assert out.loss[-1] < out.loss[0]
+
+        def margin(params, batch):
+            return batch["features"].dot(params["w"])[:, 0] + params["b"][0]
+
+        # transform keeps the vector column (a UDT) and adds the score
+        scored = out.transform(df, margin).limit(20).collect()
+        for row in scored:
+            v = row.features
+            want = float(out.lookup("w", v.indices)[:, 0] @ v.values) + out.params["b"][0]
+            assert row.prediction == pytest.approx(want, rel=1e-12, abs=1e-15)
     finally:
         out.close()
 

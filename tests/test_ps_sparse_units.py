@@ -442,6 +442,18 @@ def test_a_shard_creates_rows_once_and_applies_pushes_to_the_rows_it_sent(shell)
         _run(shard.pull(0, 0, "old", 0, (keys,)))
 
 
+def test_a_batch_without_ids_is_a_step_of_no_rows():
+    shard = _table_shard(FreeShard, sync=False)
+    empty = np.zeros(0, dtype=np.int64)
+    _, _, _, (rows,) = shard.pull(0, 0, "t0", 0, (empty,))
+    assert rows.shape == (0, 2)
+    reply = shard.push(0, 0, 0, None, 1.0, False, True, "t0", (np.zeros((0, 2)),), (empty,), 1)
+    assert reply[3][0].shape == (0, 2) and shard.stats["updates"] == 1
+    plan = TablePlan.of([("w", 2, ("x",))])
+    keys = step_keys(plan, {"x": empty}, 3)
+    assert len(keys.uniq[0]) == 0 and all(len(k) == 0 for k in keys.for_shard(plan, 1))
+
+
 def test_a_shard_snapshot_restores_exactly(tmp_path):
     shard = _table_shard(FreeShard, sync=False, rule="ftrl", params={"alpha": 0.5, "l1": 0.1})
     shard.spec = ShardSpec(**{**shard.spec.__dict__, "key": b"k" * 32, "run_id": "r"})
