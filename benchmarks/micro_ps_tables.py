@@ -88,7 +88,7 @@ def measure(held_log2: int, steps: int, num_shards: int) -> dict:
         data = batches(rng, filled, steps + 1)
         del filled
         keys = [step_keys(plan, {"ids": b}, num_shards) for b in data[:2]]
-        _, vals = client.pull(0, 0, keys[0], 0)
+        client.pull(0, 0, keys[0], 0)
         before = ray.get([h.info.remote() for h in handles])
         times, plans, distinct = [], [], []
         for s in range(steps):
@@ -96,7 +96,7 @@ def measure(held_log2: int, steps: int, num_shards: int) -> dict:
             nxt = step_keys(plan, {"ids": data[s + 1]}, num_shards)
             t1 = time.perf_counter()
             g = np.full((len(keys[0].uniq[0]), 1), 1e-3)
-            _, vals = client.push(
+            client.push(
                 0, 0, s, None, float(ROWS), False, keys=keys[0], table_grads=[g], next_keys=nxt
             )
             times.append(time.perf_counter() - t0)
