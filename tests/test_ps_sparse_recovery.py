@@ -98,9 +98,13 @@ class PauseOnce:
         return self.fn(params, batch)
 
 
-def _killer(flags: Path, run_name: str, shard: int, got: dict) -> threading.Thread:
-    """Once ``ready`` appears: find the shard of run ``run_name`` by name, ask it its pid,
-    SIGKILL it, wait until its process is gone, write ``killed``."""
+def _killer(
+    flags: Path, run_name: str, shard: int, got: dict, checkpoints: Path
+) -> threading.Thread:
+    """Once ``ready`` appears and a checkpoint is committed under ``checkpoints`` (the cut
+    the restore goes back to; other partitions may still be finishing that epoch): find
+    the shard of run ``run_name`` by name, ask it its pid, SIGKILL it, wait until its
+    process is gone, write ``killed``."""
     import ray
 
     def run() -> None:
@@ -110,6 +114,10 @@ def _killer(flags: Path, run_name: str, shard: int, got: dict) -> threading.Thre
                 if time.monotonic() > deadline:
                     raise TimeoutError("the run never reached the kill point")
                 time.sleep(0.05)
+            while not any(checkpoints.rglob("chk-*.ckpt")):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no checkpoint was committed under {checkpoints}")
+                time.sleep(0.05)  # waiting for a file written by another process
             names = [
                 a["name"]
                 for a in ray.util.list_named_actors(all_namespaces=True)
@@ -173,7 +181,7 @@ def test_a_shard_sigkilled_mid_run_is_restored_and_a_sync_run_ends_bit_for_bit(d
     flags.mkdir()
     got: dict = {}
     # partition 0 has 4 steps per epoch: call 11 is epoch 2, step 2 (checkpoints of 0, 1)
-    thread = _killer(flags, "ps-killed", 1, got)
+    thread = _killer(flags, "ps-killed", 1, got, tmp_path / "killed")
     out = _train(df, PauseOnce(fm_grad, str(flags), 11), tmp_path / "killed", name="ps-killed")
     thread.join(timeout=60)
     try:
@@ -201,7 +209,7 @@ def test_an_async_run_keeps_every_update_before_the_cut_and_says_what_it_replaye
     flags = tmp_path / "flags"
     flags.mkdir()
     got: dict = {}
-    thread = _killer(flags, "ps-async", 2, got)
+    thread = _killer(flags, "ps-async", 2, got, tmp_path / "ckpt")
     epochs = 4
     out = _train(
         df,
