@@ -1261,8 +1261,10 @@ class _Member:
 
 
 def _overrides(obj: Any, method: str) -> bool:
-    """True when ``obj``'s class defines ``method`` itself (not the no-op base hook)."""
+    """True when ``obj``'s class defines ``method`` itself, not the no-op hook of the base
+    classes in ``hybrid_iter._operators`` (operators of hybrid_iter's own packages, such
+    as ``hybrid_iter.ps``'s, override hooks like any user's)."""
     for klass in type(obj).__mro__:
         if method in vars(klass):
-            return klass.__module__.split(".")[0] != "hybrid_iter"
+            return bool(klass.__module__ != "hybrid_iter._operators")
     return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 from coordinator import Progress
@@ -52,7 +53,13 @@ class ProgressPrinter:
         spe = (
             f"{p.last_epoch_seconds * 1000:.1f} ms/epoch" if p.last_epoch_seconds else "- ms/epoch"
         )
-        line = f"[{self.label}] epoch {p.epochs:>5}  loss {self._fmt_loss(p.loss):>12}  {spe:>16}"
+        if isinstance(p.loss, Mapping):  # several figures (hybrid_iter.ps: loss, metrics, shards)
+            shown = "  ".join(f"{k} {self._fmt_loss(v)}" for k, v in p.loss.items())
+            line = f"[{self.label}] epoch {p.epochs:>5}  {shown}  {spe:>16}"
+        else:
+            line = (
+                f"[{self.label}] epoch {p.epochs:>5}  loss {self._fmt_loss(p.loss):>12}  {spe:>16}"
+            )
         rate = rows_per_second(p)
         if rate is not None:
             line += f"  {self._fmt_rate(rate):>14}"
