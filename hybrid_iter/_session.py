@@ -640,6 +640,17 @@ class Session:
                 f"Session.on_spark(setup_options) must be a mapping of "
                 f"ray.util.spark.setup_ray_cluster arguments, got {type(setup_options).__name__}"
             )
+        owned = {
+            "max_worker_nodes": "worker_nodes",
+            "min_worker_nodes": "worker_nodes",
+            "num_cpus_worker_node": "worker_node_cpus",
+            "ray_temp_root_dir": "ray_temp_root_dir",
+        }
+        for key in set(setup_options or {}) & set(owned):
+            raise SessionError(
+                f"Session.on_spark(setup_options={{{key!r}: ...}}): give it as "
+                f"Session.on_spark({owned[key]}=...)"
+            )
         if setup_options and ray_address is not None:
             raise SessionError(
                 "Session.on_spark(setup_options=...) configures a Ray on Spark cluster "

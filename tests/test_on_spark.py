@@ -177,6 +177,7 @@ def test_a_spark_connect_session_is_refused_before_anything_runs():
         ({"ray_address": "ray://head:10001"}, r"Ray Client address"),
         ({"ray_address": "head:6379", "setup_options": {"memory_worker_node": 1}}, "drop one"),
         ({"executor_wait_seconds": 0}, r"executor_wait_seconds\) must be seconds > 0"),
+        ({"setup_options": {"max_worker_nodes": 4}}, r"Session\.on_spark\(worker_nodes=\.\.\.\)"),
         ({"coordinator_resources": {"CPU": 1}}, "not a placement resource"),
     ],
 )

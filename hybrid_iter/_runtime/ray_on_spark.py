@@ -715,7 +715,7 @@ def start(
     check_spark(spark)
     import ray
 
-    from spark_ops import hold_task_slots
+    from spark_ops import available_task_slots, hold_task_slots
 
     t = task_cpus(spark)
     executors = _wait_for_executors(spark, executor_wait_seconds)
@@ -735,17 +735,10 @@ def start(
             f"the Ray cluster at {current}; call ray.shutdown() first, or run in a fresh "
             f"process"
         )
+    nodes = len(executors) if worker_nodes is None else worker_nodes
+    node_cpus = t if worker_node_cpus is None else worker_node_cpus
     if starting:
-        nodes = len(executors) if worker_nodes is None else worker_nodes
-        node_cpus = t if worker_node_cpus is None else worker_node_cpus
         plan_slots(executors, t, nodes, node_cpus, parallelism)
-    elif parallelism is not None:
-        total = sum(slots_of(e, t) for e in executors)
-        if parallelism > total:
-            raise SessionError(
-                f"{_WHERE}(parallelism={parallelism}): the executors have {total} task "
-                f"slot(s) in all; lower parallelism or add executors"
-            )
 
     token = auth_token(starting)
     handover = Handover(spark.sparkContext)
@@ -801,10 +794,18 @@ def start(
         handle.coordinator_resources = (
             dict(coordinator_resources)
             if coordinator_resources is not None
-            else _driver_node_resources()
+            else _driver_node_resources(starting)
         )
         handle.held_slots()  # every executor has a raylet beside it, or a SessionError
         handle.previous_holder = hold_task_slots(spark, handle.held_slots)
+        if parallelism is not None and not starting:  # (checked before a start)
+            free = available_task_slots(spark)
+            if parallelism > free:
+                raise SessionError(
+                    f"{_WHERE}(parallelism={parallelism}): the Ray cluster at {address} "
+                    f"leaves {free} task slot(s) of this application free for subtasks; "
+                    f"lower parallelism or add executors"
+                )
     except BaseException:
         handle.stop()
         raise
@@ -878,15 +879,18 @@ def _join(address: str, current: str | None, connect_timeout: float) -> str:
     return str(ray.get_runtime_context().gcs_address)
 
 
-def _driver_node_resources() -> dict[str, float]:
-    """Where the coordinator and the PS shards go: the Ray node of this driver (the head
-    of a cluster started here). A custom ``hybrid_iter_head`` resource wins, as
-    everywhere (``placement.coordinator_resources``)."""
+def _driver_node_resources(started: bool) -> dict[str, float]:
+    """Where the coordinator and the PS shards go: the driver's node. That is the head
+    of a cluster started here (Ray on Spark starts it beside the driver); in a joined
+    one, the node this driver joined through. A custom ``hybrid_iter_head`` resource
+    wins, as everywhere (``placement.coordinator_resources``)."""
     import ray
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if any(HEAD_RESOURCE in n.get("Resources", {}) for n in nodes):
         return {HEAD_RESOURCE: _SHARE}
+    if started:
+        return {RAY_HEAD_RESOURCE: _SHARE}
     mine = ray.get_runtime_context().get_node_id()
     for n in nodes:
         if n["NodeID"] == mine:
