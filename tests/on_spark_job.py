@@ -476,6 +476,16 @@ def main(argv: list[str] | None = None) -> int:
         df = spark.createDataFrame(sc.parallelize(rows, 2), schema).cache()
         df.count()
 
+        # a barrier stage wider than the slots the worker nodes leave: refused up front
+        # (Spark itself would accept it, counting the slots they hold, and wait for ever)
+        jobs = len(sc.statusTracker().getJobIdsForGroup())
+        try:
+            run_iteration(df, 1, parallelism=EXECUTORS * CORES - EXECUTORS + 1)
+            report["too_wide"] = {"error": None}
+        except hi.IterationConfigError as ex:
+            report["too_wide"] = {"error": str(ex)}
+        report["too_wide"]["jobs"] = len(sc.statusTracker().getJobIdsForGroup()) - jobs
+
         t1 = time.perf_counter()
         result = run_iteration(df, EPOCHS, name="on_spark")
         report["iteration"] = {

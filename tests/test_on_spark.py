@@ -266,6 +266,14 @@ def test_ray_starts_on_the_executors_and_leaves_the_subtasks_their_slots(job):
     assert s["describe"]["ray_nodes"] == EXECUTORS + 1
 
 
+def test_a_barrier_stage_wider_than_the_free_slots_is_refused_before_any_job(job):
+    wide = job["too_wide"]
+    free = EXECUTORS * CORES - EXECUTORS
+    assert wide["error"] and f"needs {free + 1} Spark task slots" in wide["error"], wide
+    assert f"only {free} exist" in wide["error"]
+    assert wide["jobs"] == 0
+
+
 def test_a_sync_iteration_equals_numpy_with_its_subtasks_in_the_executors(job):
     it = job["iteration"]
     assert it["epochs"] == EPOCHS and it["num_partitions"] == EXECUTORS * CORES - EXECUTORS

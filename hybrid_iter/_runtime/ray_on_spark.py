@@ -42,7 +42,10 @@ module adds around it, in the order ``start`` runs it:
    started here (its head process and the Spark jobs of its worker nodes, which take
    their Ray processes with them), then the environment as it was.
 
-The few calls into Spark's JVM are in functions named ``_jvm_*`` at the end.
+The few calls into Spark's JVM are in functions named ``_jvm_*`` at the end; the uses of
+Ray's internals are ``_refresh_ray_auth`` (Ray's config reread) and, for Ray on Spark's
+running cluster (its address, head process, job server), ``_active_cluster_address``,
+``_head_process`` and ``_stop_worker_nodes``.
 """
 
 from __future__ import annotations
@@ -854,7 +857,8 @@ def _setup(
             f"{node_cpus} core(s): {type(ex).__name__}: {ex}"
             + (f" ({ex.__cause__})" if ex.__cause__ else "")
         ) from ex
-    finally:
+    finally:  # Ray on Spark took the nodes' environment once, at its start
+        StartHook.node_env = {}
         if previous is None:
             os.environ.pop(_HOOK_ENV, None)
         else:
