@@ -160,11 +160,24 @@ def test_the_masters_ray_on_spark_supports_pass(master):
 
 def test_a_spark_connect_session_is_refused_before_anything_runs():
     pytest.importorskip("grpc_status", reason="the Spark Connect client's dependencies")
-    from pyspark.sql.connect.session import SparkSession as ConnectSession
-
-    remote = ConnectSession.builder.remote("sc://127.0.0.1:1").create()  # never reached
-    with pytest.raises(hi.SessionError, match="Spark Connect"):
-        hi.Session.on_spark(remote)
+    # A Connect client to a server that is not there, in a process of its own: at exit
+    # the client retries its clean-up RPCs for minutes (os._exit skips that).
+    code = (
+        "import os, sys\n"
+        "from pyspark.sql.connect.session import SparkSession\n"
+        "import hybrid_iter as hi\n"
+        "remote = SparkSession.builder.remote('sc://127.0.0.1:1').create()\n"
+        "try:\n"
+        "    hi.Session.on_spark(remote)\n"
+        "except hi.SessionError as ex:\n"
+        "    print('REFUSED', ex, flush=True)\n"
+        "os._exit(0)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert "REFUSED" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "Spark Connect session" in proc.stdout and "Session.attach" in proc.stdout
 
 
 @pytest.mark.parametrize(
