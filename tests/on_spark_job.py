@@ -266,6 +266,8 @@ def _handed_out(sc: Any) -> dict[str, Any]:
 
 def _bad(call: Any, spark: Any) -> dict[str, Any]:
     """Run ``call`` expecting a SessionError; what it said, what ran, what was left."""
+    import ray
+
     from spark_ops import available_task_slots
 
     sc = spark.sparkContext
@@ -285,7 +287,7 @@ def _bad(call: Any, spark: Any) -> dict[str, Any]:
         "seconds": round(time.perf_counter() - t0, 2),
         "jobs": _jobs_without_group(sc) - jobs,
         "ray_processes": sorted(ray_processes().values()),
-        "ray_initialized": __import__("ray").is_initialized(),
+        "ray_initialized": ray.is_initialized(),
         "handed_out": _handed_out(sc),
         "task_slots": available_task_slots(spark),
     }
