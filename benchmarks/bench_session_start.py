@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -81,6 +82,7 @@ def worker(kind: str) -> dict[str, Any]:
     import hybrid_iter as hi
 
     out: dict[str, Any] = {"kind": kind}
+    root: str | None = None
     if kind == "local":
         t0 = time.perf_counter()
         session = hi.Session.local(2, driver_memory="1g")
@@ -122,6 +124,8 @@ def worker(kind: str) -> dict[str, Any]:
         out["task_slots"] = session.describe()["task_slots"]
         t = time.perf_counter()
     out["stop_seconds"] = time.perf_counter() - t
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
     return out
 
 
