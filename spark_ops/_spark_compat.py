@@ -299,6 +299,27 @@ def executor_hosts(spark: SparkSession) -> tuple[list[str], int]:
     return sorted(str(e.host()) for e in infos), int(sc.getExecutorIds().size())
 
 
+def executor_statuses(spark: SparkSession) -> list[tuple[str, str, int, int]]:
+    """The live executors, the driver left out, from Spark's status store: (id, host,
+    cores, tasks running now) each."""
+    summaries = _jsc(spark).sc().statusStore().executorList(True)
+    found = []
+    for i in range(summaries.size()):
+        s = summaries.apply(i)
+        if str(s.id()) == "driver":
+            continue
+        host = str(s.hostPort()).rsplit(":", 1)[0].strip("[]")
+        found.append((str(s.id()), host, int(s.totalCores()), int(s.activeTasks())))
+    return found
+
+
+def make_active_session(spark: SparkSession) -> None:
+    """Make ``spark`` the JVM's active SparkSession on this thread."""
+    _jsc(spark)  # a classic session (a Connect one is refused, naming why)
+    jvm = spark.sparkContext._jvm
+    jvm.org.apache.spark.sql.SparkSession.setActiveSession(spark._jsparkSession)
+
+
 def _executed_plan(df: DataFrame) -> Any:
     return df._jdf.queryExecution().executedPlan()
 

@@ -310,8 +310,10 @@ def iterate_bounded_streams_until_termination(
     if n > slots:
         raise IterationConfigError(
             f"IterationConfig(parallelism={n}) needs {n} Spark task slots at once (one "
-            f"barrier stage), but only {slots} exist; lower parallelism to <= {slots}, or "
-            f"give Spark more cores (local[{n}], or more executors/cores)"
+            f"barrier stage), but only {slots} exist (not counting slots held by "
+            f"long-running tasks, such as Session.on_spark's Ray worker nodes); lower "
+            f"parallelism to <= {slots}, or give Spark more cores (local[{n}], or more "
+            f"executors/cores)"
         )
     op_bytes = dumps(body.partition, f"the partition operator {type(body.partition).__name__}")
     round_bytes = (

@@ -34,7 +34,13 @@ from .. import _spark_compat
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["BarrierStage", "ReplayPlan", "available_task_slots", "num_partitions"]
+__all__ = [
+    "BarrierStage",
+    "ReplayPlan",
+    "available_task_slots",
+    "hold_task_slots",
+    "num_partitions",
+]
 
 TaskFn = Callable[[int, Iterator[tuple[int, pa.RecordBatch]]], bytes]
 
@@ -62,9 +68,35 @@ def _choose_paths(streams: Sequence[DataFrame], paths: str | None) -> str:
     return paths
 
 
+#: application id -> how many of its task slots long-running tasks that are not ours
+#: hold (Ray on Spark's worker nodes, registered by ``hybrid_iter.Session.on_spark``)
+_HELD_SLOTS: dict[str, Callable[[], int]] = {}
+
+
+def hold_task_slots(
+    spark: SparkSession, held: Callable[[], int] | None
+) -> Callable[[], int] | None:
+    """Declare that ``held()`` of ``spark``'s task slots are taken by tasks that run for
+    the application's life (``None``: none any more); returns the declaration it
+    replaces. ``available_task_slots`` then counts only the others, before every barrier
+    stage; ``held`` may raise to refuse one (it runs on the driver, before any job)."""
+    app = _app_id(spark)
+    previous = _HELD_SLOTS.pop(app, None)
+    if held is not None:
+        _HELD_SLOTS[app] = held
+    return previous
+
+
 def available_task_slots(spark: SparkSession) -> int:
-    """How many tasks can run at once right now (what a barrier stage may use)."""
-    return _spark_compat.available_task_slots(spark)
+    """How many tasks can run at once right now (what a barrier stage may use): every
+    slot of the executors but those ``hold_task_slots`` declared held."""
+    total = _spark_compat.available_task_slots(spark)
+    held = None if _spark_compat.is_connect(spark) else _HELD_SLOTS.get(_app_id(spark))
+    return total if held is None else max(0, total - held())
+
+
+def _app_id(spark: SparkSession) -> str:
+    return str(spark.sparkContext.applicationId)
 
 
 def num_partitions(df: DataFrame) -> int | None:
