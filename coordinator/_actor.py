@@ -37,7 +37,7 @@ from ._core import (
     UserCall,
     WriteCheckpoint,
 )
-from ._errors import NonFiniteVariables, RemoteFailure
+from ._errors import RemoteFailure
 from ._host import OperatorHost, UserCodeFailed
 from ._protocol import Emissions, Progress, Reply, ResultData
 from ._shell import (
@@ -53,8 +53,7 @@ from ._spec import CoordinatorSpec
 from ._tree import CoordinatorTree, _GroupCall, _Member
 from ._variables import VariablesPayload, VariablesStore
 
-#: ``NonFiniteVariables`` is importable from here too (the parameter-server shards use it)
-__all__ = ["IterationCoordinator", "NonFiniteVariables"]
+__all__ = ["IterationCoordinator"]
 
 
 class IterationCoordinator:
@@ -370,6 +369,7 @@ class IterationCoordinator:
             subtask_epochs=tuple(max(c, 0) for c in sm.last_call),
             rows=sum(self.core.rows),
             checkpointed=self.snapshots.newest if self.snapshots is not None else -1,
+            version=self.store.version,
         )
 
     def checkpoint_info(self) -> CheckpointInfo:

@@ -78,6 +78,8 @@ class Progress:
     rows: int = 0
     #: the newest checkpoint epoch written or restored (-1: none)
     checkpointed: int = -1
+    #: the variables version (publishes so far): the model version
+    version: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Spark + Ray sessions: embedded (``local``), Spark on Ray (``raydp``), or ``attach``.
+"""Spark + Ray sessions: embedded (``local``), Spark on Ray (``raydp``), Ray on the
+user's Spark cluster (``on_spark``), or ``attach``.
 
 Runs on the driver. A session stops only what it started: a SparkSession or Ray
 instance that was already running is used and left running.
@@ -14,6 +15,8 @@ import threading
 import time
 from collections.abc import Mapping
 from typing import Any, ClassVar
+
+from spark_ops import _spark_compat
 
 from ._errors import SessionError
 from ._runtime.placement import check_resources
@@ -229,26 +232,42 @@ def _check_spark_jvm_for_raydp() -> None:
     process has one JVM for good; ``builder.getOrCreate()`` would hand back a running
     SparkSession (with its own master) instead of a Spark on Ray one.
     """
-    from pyspark import SparkContext
-
-    active = SparkContext._active_spark_context
-    if active is not None:
+    master = _spark_compat.running_spark_master()
+    if master is not None:
         raise SessionError(
             f"Session.raydp needs its own SparkContext, but one is already running in this "
-            f"process (master {active.master!r}); stop it first, or use "
+            f"process (master {master!r}); stop it first, or use "
             f"Session.attach(spark) to run on it"
         )
-    gateway = SparkContext._gateway
-    if gateway is not None:
-        from py4j.java_gateway import JavaClass
+    if _spark_compat.jvm_has_class("org.apache.spark.deploy.raydp.RayAppMaster") is False:
+        raise SessionError(
+            "Session.raydp must start the first Spark of this process: its JVM was "
+            "already launched without RayDP's jars (an earlier Session.local or "
+            "SparkSession) and a process keeps its JVM; run Spark on Ray in a fresh "
+            "process"
+        )
 
-        if not isinstance(gateway.jvm.org.apache.spark.deploy.raydp.RayAppMaster, JavaClass):
-            raise SessionError(
-                "Session.raydp must start the first Spark of this process: its JVM was "
-                "already launched without RayDP's jars (an earlier Session.local or "
-                "SparkSession) and a process keeps its JVM; run Spark on Ray in a fresh "
-                "process"
-            )
+
+def _check_spark_version(where: str) -> None:
+    """A PySpark outside the supported lines fails the session before anything starts."""
+    try:
+        _spark_compat.check_spark_version()
+    except _spark_compat.UnsupportedSparkVersion as ex:
+        raise SessionError(f"{where}: {ex}") from ex
+
+
+#: what a Spark Connect session given to Session.attach lacks (the coordinator endpoint
+#: of DESIGN.md section 2 is the step that lifts it)
+_CONNECT_REFUSED = (
+    "Session.attach(spark) got a Spark Connect session, which hybrid_iter cannot run on "
+    "yet: its Spark tasks reach the coordinator through a Ray raylet on their own host, "
+    "and a Connect client cannot place one beside the cluster's executors or read the "
+    "driver's JVM. What is missing is the coordinator endpoint (a network service beside "
+    "the coordinator that subtasks reach without a local raylet). Use a classic "
+    "SparkSession on the cluster's driver instead: Session.on_spark(spark) starts Ray on "
+    "that Spark cluster, Session.attach(spark, ray_address=...) joins a Ray cluster whose "
+    "raylets run beside the executors"
+)
 
 
 def _prepare_process_env() -> None:
@@ -263,6 +282,7 @@ class Session:
 
     ``Session.local(parallelism=2)`` starts Ray on 127.0.0.1 and Spark ``local[2]``;
     ``Session.raydp(...)`` runs Spark executors as Ray actors through RayDP;
+    ``Session.on_spark(spark)`` starts Ray on the Spark cluster you have (Ray on Spark);
     ``Session.attach(spark, ray_address)`` uses what is already running.
     Use it as a context manager: leaving the block stops what the session started.
     """
@@ -290,6 +310,8 @@ class Session:
         self._owns_spark = owns_spark
         self._owns_ray = owns_ray
         self._stopped = False
+        #: ``Session.on_spark``'s Ray cluster and what it handed out (stopped with us)
+        self._on_spark: Any = None
         Session._stack.append(self)
 
     # -- constructors -------------------------------------------------------------------
@@ -312,6 +334,7 @@ class Session:
             raise SessionError(
                 f"Session.local(parallelism) must be an int >= 1, got {parallelism!r}"
             )
+        _check_spark_version("Session.local")
         _prepare_process_env()
         force_loopback()
         import ray
@@ -330,9 +353,7 @@ class Session:
                 log_to_driver=True,
             )
         address = ray.get_runtime_context().gcs_address
-        from pyspark import SparkContext
-
-        owns_spark = SparkContext._active_spark_context is None
+        owns_spark = _spark_compat.running_spark_master() is None
         if not owns_spark:
             spark = SparkSession.builder.getOrCreate()  # the running one; left running
             log.info("Session.local uses the running SparkSession (%s)", spark.sparkContext.master)
@@ -394,6 +415,7 @@ class Session:
         when it starts). ``coordinator_resources``: Ray resources the coordinator and
         parameter-server shards ask for (default: the head node; ``{}``: any node).
         """
+        _check_spark_version("Session.raydp")
         if coordinator_resources is not None:
             coordinator_resources = check_resources(
                 coordinator_resources, "Session.raydp(coordinator_resources)"
@@ -412,6 +434,9 @@ class Session:
             address = found[0] if found is not None else "local"
         else:
             address = check_ray_address(address, "Session.raydp(address)")
+        problem = _spark_compat.raydp_problem()  # before reaching out to any cluster
+        if problem is not None:
+            raise SessionError(problem)
         import ray
 
         owns_ray = not ray.is_initialized()
@@ -448,8 +473,10 @@ class Session:
         gcs = ray.get_runtime_context().gcs_address
         try:
             import raydp
-        except ImportError as ex:  # pragma: no cover - raydp is a dependency
-            raise SessionError("Session.raydp needs RayDP: pip install 'raydp>=1.6.5'") from ex
+        except ImportError as ex:  # installed (raydp_problem) but not importable
+            raise SessionError(
+                f"Session.raydp could not import RayDP: {ex}; {_spark_compat.RAYDP_INSTALL}"
+            ) from ex
         user_conf = dict(spark_conf or {})
         # An executor runs executor_cores / spark.task.cpus tasks at once: each task's
         # BLAS gets the spark.task.cpus cores it holds, not all of the executor's.
@@ -515,6 +542,9 @@ class Session:
         """
         from pyspark.sql import SparkSession
 
+        _check_spark_version("Session.attach")
+        if _spark_compat.is_connect(spark):
+            raise SessionError(_CONNECT_REFUSED)
         if coordinator_resources is not None:
             coordinator_resources = check_resources(
                 coordinator_resources, "Session.attach(coordinator_resources)"
@@ -553,6 +583,139 @@ class Session:
             coordinator_resources=coordinator_resources,
         )
 
+    @classmethod
+    def on_spark(
+        cls,
+        spark: Any,
+        *,
+        ray_address: str | None = None,
+        worker_nodes: int | None = None,
+        worker_node_cpus: int | None = None,
+        parallelism: int | None = None,
+        ray_temp_root_dir: str | None = None,
+        setup_options: Mapping[str, Any] | None = None,
+        executor_wait_seconds: float = 120.0,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        coordinator_resources: Mapping[str, float] | None = None,
+    ) -> Session:
+        """Run on the Spark cluster you have (standalone, YARN, Databricks classic or
+        dedicated): Ray started on it with Ray on Spark, or a Ray already there.
+
+        ``spark``: a classic SparkSession whose master is ``spark://...``, ``yarn`` or
+        ``local-cluster[...]``; Spark Connect, ``k8s://`` and plain ``local[N]`` (use
+        ``Session.local``) are refused, as is dynamic allocation (barrier stages need
+        fixed executors). Spark is used, never stopped.
+
+        Ray: with ``ray_address=None`` the Ray on Spark cluster this process started on
+        ``spark`` is joined if there is one, else one is started: its head beside the
+        driver (no CPUs, no dashboard), and ``worker_nodes`` Ray worker nodes (default:
+        one per executor), each a Spark task holding ``worker_node_cpus`` cores (default
+        ``spark.task.cpus``: one task slot) for the cluster's life. ``ray_address``
+        (``host:port``) joins that cluster instead. ``ray_temp_root_dir`` and
+        ``setup_options`` (e.g. ``memory_worker_node``, ``object_store_memory_worker_node``,
+        ``collect_log_to_path``, ``head_node_options``) go to
+        ``ray.util.spark.setup_ray_cluster``. Needs the ``on_spark`` extra (``ray[client]``).
+
+        Before anything starts: the worker nodes plus ``parallelism`` subtask slots
+        (default 1) must fit the executors' free slots, else ``SessionError``. Then one
+        probe job checks that the executors' Python reaches a ``ray`` executable of the
+        driver's Ray version (``SessionError`` naming the host, else). Iterations and
+        fits see only the slots the worker nodes leave (``parallelism=None`` there means
+        all of those), and before each barrier stage every executor that can run a
+        subtask must have a raylet on its host, else ``SessionError`` naming it.
+
+        Token authentication stays on: ``RAY_AUTH_TOKEN`` (or the file
+        ``RAY_AUTH_TOKEN_PATH``) of this process, else a new random token for a cluster
+        started here, handed to the Ray nodes and, through ``SparkContext.environment``,
+        to the Python workers of every later Spark task (so nothing needs setting before
+        the SparkSession starts); ``RAY_AUTH_MODE=disabled`` turns it off. On
+        ``spark.driver.host=127.0.0.1`` every Ray process binds 127.0.0.1 only. The
+        coordinator and the PS shards go to the driver's Ray node (the head), unless
+        ``coordinator_resources`` says otherwise. Leaving the block stops the cluster if
+        it was started here and puts the environment back. See docs/sessions.md.
+        """
+        from ._runtime import ray_on_spark
+
+        _check_spark_version("Session.on_spark")
+        if coordinator_resources is not None:
+            coordinator_resources = check_resources(
+                coordinator_resources, "Session.on_spark(coordinator_resources)"
+            )
+        for name, v, low in (
+            ("worker_nodes", worker_nodes, 1),
+            ("worker_node_cpus", worker_node_cpus, 1),
+            ("parallelism", parallelism, 1),
+        ):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
+                raise SessionError(f"Session.on_spark({name}) must be an int >= {low}, got {v!r}")
+        for name, t in (
+            ("executor_wait_seconds", executor_wait_seconds),
+            ("connect_timeout", connect_timeout),
+        ):
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+                raise SessionError(f"Session.on_spark({name}) must be seconds > 0, got {t!r}")
+        if ray_address is not None:
+            ray_address = check_ray_address(ray_address, "Session.on_spark(ray_address)")
+            if ray_address == "local":
+                raise SessionError(
+                    "Session.on_spark(ray_address='local') would start a Ray of this process "
+                    "only, which Spark's executors cannot join; leave ray_address=None to "
+                    "start Ray on Spark, or use Session.local()"
+                )
+        if setup_options is not None and not isinstance(setup_options, Mapping):
+            raise SessionError(
+                f"Session.on_spark(setup_options) must be a mapping of "
+                f"ray.util.spark.setup_ray_cluster arguments, got {type(setup_options).__name__}"
+            )
+        owned = {
+            "max_worker_nodes": "worker_nodes",
+            "min_worker_nodes": "worker_nodes",
+            "num_cpus_worker_node": "worker_node_cpus",
+            "ray_temp_root_dir": "ray_temp_root_dir",
+        }
+        for key in set(setup_options or {}) & set(owned):
+            raise SessionError(
+                f"Session.on_spark(setup_options={{{key!r}: ...}}): give it as "
+                f"Session.on_spark({owned[key]}=...)"
+            )
+        if setup_options and ray_address is not None:
+            raise SessionError(
+                "Session.on_spark(setup_options=...) configures a Ray on Spark cluster "
+                "started here; with ray_address the cluster already runs: drop one of them"
+            )
+        import importlib.util
+
+        # Ray on Spark's head always serves Ray Client (grpcio); its worker-port lock
+        # uses psutil
+        missing = [m for m in ("grpc", "psutil") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise SessionError(
+                f"Session.on_spark needs Ray on Spark's dependencies ({', '.join(missing)} "
+                f"missing): pip install 'hybrid-iter[on_spark]'"
+            )
+        handle = ray_on_spark.start(
+            spark,
+            ray_address=ray_address,
+            worker_nodes=worker_nodes,
+            worker_node_cpus=worker_node_cpus,
+            parallelism=parallelism,
+            ray_temp_root_dir=ray_temp_root_dir,
+            setup_options=dict(setup_options or {}),
+            executor_wait_seconds=float(executor_wait_seconds),
+            connect_timeout=float(connect_timeout),
+            coordinator_resources=coordinator_resources,
+        )
+        session = cls(
+            spark,
+            handle.address,
+            owns_spark=False,
+            owns_ray=False,  # the handle disconnects this driver and stops the cluster
+            kind="on_spark",
+            coordinator_resources=handle.coordinator_resources,
+        )
+        session._on_spark = handle
+        return session
+
     # -- lifecycle ----------------------------------------------------------------------
 
     @classmethod
@@ -578,16 +741,13 @@ class Session:
             (n["NodeManagerAddress"] for n in nodes if "node:__internal_head__" in n["Resources"]),
             None,
         )
-        sc = self.spark.sparkContext
-        infos = sc._jsc.sc().statusTracker().getExecutorInfos()  # the driver is one of them
-        hosts = sorted(str(e.host()) for e in infos)
-        executors = sc._jsc.sc().getExecutorIds().size()  # without the driver
+        hosts, executors = _spark_compat.executor_hosts(self.spark)  # hosts: the driver's too
         return {
             "kind": self.kind,
             "ray_address": self.ray_address,
             "ray_nodes": len(nodes),
             "ray_head": head,
-            "spark_master": sc.master,
+            "spark_master": self.spark.sparkContext.master,
             "executors": executors,
             "spark_hosts": hosts,
             "task_slots": available_task_slots(self.spark),
@@ -624,6 +784,8 @@ class Session:
                     self.spark.stop()
             except Exception as ex:  # pragma: no cover - best effort on shutdown
                 log.warning("stopping Spark failed: %s", ex)
+        if self._on_spark is not None:
+            self._on_spark.stop()
         if self._owns_ray:
             import ray
 

@@ -56,7 +56,7 @@ class DataStream:
             )
         if self.numeric_columns is None:
             return
-        from pyspark.sql.pandas.types import to_arrow_type
+        from spark_ops._spark_compat import to_arrow_type
 
         fields = {f.name: f for f in self.df.schema.fields}
         for name in self.numeric_columns:

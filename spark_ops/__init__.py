@@ -20,7 +20,13 @@ Every error raised on purpose derives from ``SparkOpsError`` (the tree: ``_error
 user function that raises in a Spark task makes the action raise ``UserFunctionError``.
 """
 
-from ._errors import SparkOpsConfigError, SparkOpsError, SparkOpsIndexError, UserFunctionError
+from ._errors import (
+    SparkOpsConfigError,
+    SparkOpsError,
+    SparkOpsIndexError,
+    UserFunctionError,
+    install_error_translation,
+)
 from ._hadoop import require_spark_filesystem
 from .aggregate import AggregateFunction
 from .full_partition import (
@@ -44,6 +50,7 @@ from .iteration import (
     cached_source,
     column_to_numpy,
     exact_num_partitions,
+    hold_task_slots,
     is_numeric_arrow_type,
     num_partitions,
     persisted_rdd_ids,
@@ -83,6 +90,8 @@ from .side_inputs import (
     SingletonSideInput,
     with_side_inputs,
 )
+
+install_error_translation()  # once per driver process: see UserFunctionError
 
 __all__ = [
     "AggregateFunction",
@@ -129,6 +138,7 @@ __all__ = [
     "column_to_numpy",
     "exact_num_partitions",
     "full_window_partition",
+    "hold_task_slots",
     "is_numeric_arrow_type",
     "key_by",
     "key_group_of",

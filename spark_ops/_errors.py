@@ -241,30 +241,24 @@ def from_spark_text(text: str) -> UserFunctionError | None:
 
 
 def install_error_translation() -> None:
-    """Wrap pyspark's ``convert_exception`` (idempotent): a ``PythonException`` (or an
-    unclassified error) carrying a failure line becomes a ``UserFunctionError``;
-    anything else is returned unchanged. Runs on the driver, once, on import."""
+    """Make pyspark's conversion of a failed job's error (``_spark_compat``) turn a
+    ``PythonException`` (or an unclassified error) carrying a failure line into a
+    ``UserFunctionError``; anything else is returned unchanged. Runs on the driver, once,
+    on import (idempotent)."""
+    from ._spark_compat import translate_converted_errors
+
+    translate_converted_errors(_translated)
+
+
+def _translated(converted: Any) -> Any:
+    """``converted`` (pyspark's exception of a failed job) as a ``UserFunctionError``
+    when a user function of ours raised in it, else None."""
     from pyspark.errors.exceptions import captured
 
-    original = captured.convert_exception
-    if getattr(original, "_spark_ops_translation", False):
-        return
-
-    def convert_exception(e: Any) -> Any:
-        converted = original(e)
-        if isinstance(converted, (PythonException, captured.UnknownException)):
-            try:
-                text = getattr(converted, "desc", None) or str(converted)
-            except Exception:  # pyspark could not render it: leave it as it is
-                return converted
-            translated = from_spark_text(text)
-            if translated is not None:
-                return translated
-        return converted
-
-    convert_exception._spark_ops_translation = True  # type: ignore[attr-defined]
-    convert_exception.__wrapped__ = original  # type: ignore[attr-defined]
-    captured.convert_exception = convert_exception
-
-
-install_error_translation()
+    if not isinstance(converted, (PythonException, captured.UnknownException)):
+        return None
+    try:
+        text = getattr(converted, "desc", None) or str(converted)
+    except Exception:  # pyspark could not render it: leave it as it is
+        return None
+    return from_spark_text(text)

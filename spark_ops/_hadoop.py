@@ -6,9 +6,8 @@ class for fails only once the query runs (``No FileSystem for scheme "s3"``,
 ``ClassNotFoundException: ...S3AFileSystem``). ``require_spark_filesystem`` turns that
 into an error before any job, naming what to add.
 
-The JVM is reached in two small functions only, ``hadoop_filesystem_class`` and
-``hadoop_version`` (py4j, through ``sparkContext._jvm``), so a compatibility layer for
-Spark internals can take them over.
+The JVM is asked through the compatibility module (``_spark_compat``:
+``hadoop_filesystem_class``, ``hadoop_version``), where every use of Spark's internals is.
 """
 
 from __future__ import annotations
@@ -18,28 +17,9 @@ from typing import Any
 
 import storage_uri
 
-__all__ = ["hadoop_filesystem_class", "hadoop_version", "require_spark_filesystem"]
+from ._spark_compat import hadoop_filesystem_class, hadoop_version
 
-
-def hadoop_filesystem_class(spark: Any, scheme: str) -> str | None:
-    """The Hadoop ``FileSystem`` class Spark's driver uses for ``scheme`` (its
-    ``spark.hadoop.fs.<scheme>.impl`` or Hadoop's default), or None when it has none or
-    the class is missing. Makes no filesystem and no network call. Raises when this
-    SparkSession has no JVM in this process (Spark Connect)."""
-    from py4j.protocol import Py4JJavaError
-
-    sc = spark.sparkContext
-    conf = sc._jsc.hadoopConfiguration()
-    try:
-        klass = sc._jvm.org.apache.hadoop.fs.FileSystem.getFileSystemClass(scheme, conf)
-    except Py4JJavaError:  # UnsupportedFileSystemException, or ClassNotFoundException
-        return None
-    return str(klass.getName())
-
-
-def hadoop_version(spark: Any) -> str:
-    """The version of the Hadoop client Spark runs with (e.g. ``3.3.4``)."""
-    return str(spark.sparkContext._jvm.org.apache.hadoop.util.VersionInfo.getVersion())
+__all__ = ["require_spark_filesystem"]
 
 
 def _advice(scheme: str, hadoop: str) -> str:

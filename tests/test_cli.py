@@ -20,10 +20,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import requires_raydp
 from raydp_job import _descendants, _process_table
 
 import hybrid_iter as hi
 from hybrid_iter import cli
+from spark_ops._spark_compat import raydp_problem
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -97,6 +99,15 @@ def _closed_port() -> int:
         return s.getsockname()[1]  # closed again when the block ends: nothing listens
 
 
+@pytest.mark.skipif(raydp_problem() is None, reason="RayDP runs in this environment")
+def test_session_raydp_without_a_usable_raydp_fails_naming_the_extra(capsys):
+    argv = ["run", TARGET, "--session", "raydp", "--ray-address", "127.0.0.1:1"]
+    assert cli.main(argv, {}) == 1
+    err = capsys.readouterr().err
+    assert "pip install 'hybrid-iter[raydp]'" in err, err
+
+
+@requires_raydp
 def test_an_unreachable_ray_address_fails_fast_naming_it(capsys):
     address = f"127.0.0.1:{_closed_port()}"
     t0 = time.monotonic()
@@ -107,6 +118,7 @@ def test_an_unreachable_ray_address_fails_fast_naming_it(capsys):
     assert time.monotonic() - t0 < 60  # a safety net: Ray alone retries for minutes
 
 
+@requires_raydp
 def test_a_port_that_is_not_a_ray_gcs_fails_within_the_connect_timeout(capsys):
     with socket.socket() as listener:  # accepts TCP connections, never speaks gRPC
         listener.bind(("127.0.0.1", 0))

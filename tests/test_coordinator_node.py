@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import requires_raydp
 from coordinator_node_job import EPOCHS, KILL_AT, RESULT_PREFIX
 from k8s_ray_cluster import ClusterProcess, cluster_env
 
@@ -26,7 +27,7 @@ ROOT = TESTS.parent
 MiB = 1 << 20
 JOB_TIMEOUT = 600  # a safety net; about 1-2 min on 2 cores
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), requires_raydp]
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import requires_raydp
 from k8s_ray_cluster import ClusterProcess, cluster_env, tagged
 from multinode_job import EPOCHS
 
@@ -36,7 +37,7 @@ MiB = 1 << 20
 # (~75 s on 2 cores: cluster 5 s, RayDP session 15 s, the job 40 s). Its worker-node kill
 # failed 1 run in 4 until RayDP's app master (which owns the executors) was placed on
 # the head: it had landed on the killed node.
-pytestmark = [pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.timeout(2400), requires_raydp]
 
 
 def _is_loopback(host_port: str) -> bool:

@@ -6,7 +6,7 @@ import socket
 
 import numpy as np
 import pytest
-from conftest import SLOTS
+from conftest import SLOTS, requires_raydp
 from ops import GradientDescent, LinRegPartition
 
 import hybrid_iter as hi
@@ -94,6 +94,7 @@ def _closed_address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens once the block ends
 
 
+@requires_raydp
 def test_raydp_reads_hybrid_iter_ray_address_then_ray_address(session, monkeypatch):
     # Before any JVM starts (this process already runs Spark): the address is checked
     # first, and RAY_ADDRESS (what `ray job submit` sets) is honoured.

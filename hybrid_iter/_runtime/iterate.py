@@ -50,6 +50,7 @@ from spark_ops import (
     python_worker_death,
     spark_error_text,
 )
+from spark_ops._spark_compat import JobTag
 
 from .._body import IterationBody
 from .._config import IterationConfig, OperatorLifecycle
@@ -67,6 +68,7 @@ from .._errors import (
 from .._result import IterationResult
 from .._session import Session
 from .._streams import ReplayableDataStreamList, _is_dataframe
+from .metrics import RunMeter, bounded_description, bounded_meter
 from .placement import (
     actor_class,
     keep_spare,
@@ -308,8 +310,10 @@ def iterate_bounded_streams_until_termination(
     if n > slots:
         raise IterationConfigError(
             f"IterationConfig(parallelism={n}) needs {n} Spark task slots at once (one "
-            f"barrier stage), but only {slots} exist; lower parallelism to <= {slots}, or "
-            f"give Spark more cores (local[{n}], or more executors/cores)"
+            f"barrier stage), but only {slots} exist (not counting slots held by "
+            f"long-running tasks, such as Session.on_spark's Ray worker nodes); lower "
+            f"parallelism to <= {slots}, or give Spark more cores (local[{n}], or more "
+            f"executors/cores)"
         )
     op_bytes = dumps(body.partition, f"the partition operator {type(body.partition).__name__}")
     round_bytes = (
@@ -329,7 +333,8 @@ def iterate_bounded_streams_until_termination(
 
     connect(address, namespace=NAMESPACE)
     checkpoint = _checkpoint_spec(config, body, streams, variables, n, _alive_nodes())
-    name = f"hybrid_iter.{config.name or 'iteration'}.{uuid.uuid4().hex[:12]}"
+    run_id = uuid.uuid4().hex[:12]
+    name = f"hybrid_iter.{config.name or 'iteration'}.{run_id}"
     spec = CoordinatorSpec(
         num_subtasks=n,
         num_streams=len(streams),
@@ -391,6 +396,7 @@ def iterate_bounded_streams_until_termination(
     expect = checkpoint.expect_epoch if checkpoint is not None else None
     # the failures of user code met so far: one met again is not retried again
     seen: dict[tuple[Any, ...], int] = {}
+    meter = bounded_meter(config.name or "iteration", run_id, config.mode)
     try:
         while True:
             if actor is None:
@@ -423,7 +429,7 @@ def iterate_bounded_streams_until_termination(
             )
             if attempt > 0:
                 _wait_for_slots(spark, n, config, attempt, checkpoint, expect)
-            monitor = _Monitor(actor, spark.sparkContext, name, config, n)
+            monitor = _Monitor(actor, spark, name, config, n, attempt=attempt, meter=meter)
             try:
                 if streams.any_replayed:
                     _run_rounds(monitor, run_plan, streams, n, extra)
@@ -465,6 +471,7 @@ def iterate_bounded_streams_until_termination(
                     kill(actor, f"the coordinator actor {name}")
                     actor = None
     finally:
+        meter.close(failed=not ended)
         # after a run that ended well, a coordinator Ray never restarts waits as the
         # driver's spare for its next run (no process to start then); else it is killed
         # and a fresh spare started
@@ -789,7 +796,8 @@ def _run_rounds(
         rounds = 0
         while True:
             monitor.run(
-                functools.partial(replay.run_round, rounds, functools.partial(run_round, plan))
+                functools.partial(replay.run_round, rounds, functools.partial(run_round, plan)),
+                round_=rounds,
             )
             rounds += 1
             if monitor.closed():
@@ -802,10 +810,28 @@ def _run_rounds(
 class _Monitor:
     """Runs Spark jobs of one iteration on a thread while the driver shows progress."""
 
-    def __init__(self, actor: Any, sc: Any, name: str, config: IterationConfig, n: int) -> None:
-        self.actor, self.sc, self.name, self.n = actor, sc, name, n
+    def __init__(
+        self,
+        actor: Any,
+        spark: Any,
+        name: str,
+        config: IterationConfig,
+        n: int,
+        *,
+        attempt: int = 0,
+        meter: RunMeter | None = None,
+    ) -> None:
+        self.actor, self.name, self.n = actor, name, n
+        #: every Spark job of the iteration carries it; cancelling it stops them
+        self.jobs_tag = JobTag(spark, name)
         self.call_timeout = float(config.call_timeout)
         self.printer = ProgressPrinter(config.progress, label=config.name or config.mode)
+        self.attempt = attempt
+        self.meter = meter or RunMeter(None)
+        self.meter.set(attempt=attempt)
+        self.describe = functools.partial(
+            bounded_description, config.name or "iteration", config.mode, n, attempt
+        )
         self.results: list[bytes] = []
         self.error: BaseException | None = None
         self.jobs = 0
@@ -813,16 +839,17 @@ class _Monitor:
         #: the newest checkpoint the coordinator reported written
         self.checkpointed = -1
 
-    def run(self, job: Any) -> None:
-        """Run ``job()`` (a Spark job returning the subtasks' summaries) to its end."""
+    def run(self, job: Any, round_: int | None = None) -> None:
+        """Run ``job()`` (a Spark job returning the subtasks' summaries; of round
+        ``round_`` of replayed streams) to its end."""
         import ray
 
         outcome: dict[str, Any] = {}
 
         def target() -> None:
             try:
-                self.sc.setJobGroup(self.name, "hybrid_iter iteration", interruptOnCancel=True)
-                outcome["results"] = job()
+                with self.jobs_tag.on_this_thread(self.describe(round_)):
+                    outcome["results"] = job()
             except BaseException as ex:  # surfaced on the driver thread below
                 outcome["error"] = ex
             finally:
@@ -856,22 +883,23 @@ class _Monitor:
                     continue
                 except ray.exceptions.RayActorError as ex:
                     # the coordinator died: tasks cannot go on; stop them, report it
-                    self.sc.cancelJobGroup(self.name)
+                    self.jobs_tag.cancel()
                     thread.join()
                     raise IterationFailedError(
                         f"the coordinator actor died: {str(ex).splitlines()[0]}", {}
                     ) from ex
                 self.printer.update(p)
+                self.meter.progress(p, attempt=self.attempt)
                 self._seen = p.aligned
                 self.checkpointed = max(self.checkpointed, p.checkpointed)
                 if p.failed:
-                    self.sc.cancelJobGroup(self.name)  # tasks stuck in user code must not hang us
+                    self.jobs_tag.cancel()  # tasks stuck in user code must not hang us
                 if p.done or p.failed:
                     thread.join()
             thread.join()
         except BaseException:
             if thread.is_alive():
-                self.sc.cancelJobGroup(self.name)
+                self.jobs_tag.cancel()
                 thread.join(timeout=30)
             raise
         self.results = outcome.get("results", [])
@@ -902,7 +930,7 @@ class _Monitor:
             )
         else:
             return
-        self.sc.cancelJobGroup(self.name)
+        self.jobs_tag.cancel()
         failure = RemoteFailure(
             "coordinator",
             busy[1] if busy else None,
@@ -947,7 +975,9 @@ class _Monitor:
             if unpicklable is None:
                 raise
             _raise_failures([unpicklable], None)
-        self.printer.update(ray.get(self.actor.progress.remote()), final=True)
+        final = ray.get(self.actor.progress.remote())
+        self.printer.update(final, final=True)
+        self.meter.progress(final, attempt=self.attempt)
         if data.failures:
             _raise_failures(data.failures, self.error)
         ran = len(self.results)

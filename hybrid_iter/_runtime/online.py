@@ -23,6 +23,7 @@ dead-letter path (path, reason, batch id) instead of failing the query. Other so
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import pickle
@@ -50,6 +51,7 @@ from coordinator import (
 )
 from coordinator._finite import check_finite_variables
 from spark_ops import require_spark_filesystem
+from spark_ops._spark_compat import JobTag, streaming_file_source
 
 from .._body import IterationBody
 from .._config import (
@@ -61,6 +63,7 @@ from .._config import (
 )
 from .._errors import CheckpointError, IterationConfigError, IterationFailedError
 from .._streams import ReplayableDataStreamList, _is_dataframe
+from .metrics import RunMeter, job_description, online_description, online_meter
 from .placement import actor_class, kill, launch
 from .ray_util import NAMESPACE, connect
 from .shipping import dumps
@@ -262,7 +265,8 @@ class OnlineProgress:
     completed - 1), the newest ``progress_tag`` output, the variables version, the last
     batch id; batches/s and rows/s over the recent commits, files waiting in the source
     (None when the source does not say), seconds since the last checkpoint, and the batch
-    ids lost by ``on_corrupt_checkpoint="reset"``."""
+    ids lost by ``on_corrupt_checkpoint="reset"``, the rows of the last batch committed
+    since this handle started (None before that)."""
 
     batches: int
     rows: int
@@ -278,6 +282,7 @@ class OnlineProgress:
     lag_files: int | None = None
     last_checkpoint_age_s: float | None = None
     lost_batches: tuple[int, ...] = ()
+    last_batch_rows: int | None = None
 
     def status_line(self) -> str:
         def rate(x: float | None, fmt: str) -> str:
@@ -627,19 +632,11 @@ def _files_newer_than(path: str, options: Mapping[str, str], newest: float) -> i
 def _parquet_source(df: Any) -> tuple[str, dict[str, str], Any] | None:
     """(path, options, Spark schema) when ``df`` is a Parquet file source as it came from
     ``spark.readStream`` (nothing applied on top); None for anything else."""
-    try:
-        plan = df._jdf.queryExecution().logical()
-        if plan.getClass().getSimpleName() != "StreamingRelation":
-            return None
-        source = plan.dataSource()
-        if not source.className().lower().endswith(("parquet", "parquetfileformat")):
-            return None
-        options: dict[str, str] = {}
-        it = source.options().iterator()
-        while it.hasNext():
-            kv = it.next()
-            options[str(kv._1())] = str(kv._2())
-    except Exception:  # not the JVM plan we know: Spark reads it
+    found = streaming_file_source(df)
+    if found is None:  # not the plan we know: Spark reads it
+        return None
+    class_name, options = found
+    if not class_name.lower().endswith(("parquet", "parquetfileformat")):
         return None
     path = next((v for k, v in options.items() if k.lower() == "path"), None)
     if path is None:
@@ -668,6 +665,7 @@ class OnlineIteration:
         lost_batches: tuple[int, ...] = (),
         files_waiting: Callable[[], int | None] | None = None,
         failed: list[IterationFailedError] | None = None,
+        meter: RunMeter | None = None,
     ) -> None:
         self.query = query
         self._actor = actor
@@ -691,6 +689,8 @@ class OnlineIteration:
                 target=self._log_loop, name="hybrid_iter-online-status", daemon=True
             )
             self._logger.start()
+        self._meter = meter or RunMeter(None)
+        self._meter.watch(lambda: self.progress, query, lambda: bool(self._failed))
 
     def latest_variables(self) -> dict[str, Any]:
         """The newest published variables."""
@@ -722,6 +722,7 @@ class OnlineIteration:
                 now - s.last_checkpoint if s.last_checkpoint is not None else None
             ),
             lost_batches=self.lost_batches,
+            last_batch_rows=s.recent_commits[-1][1] if s.recent_commits else None,
         )
 
     def _lag_files(self) -> int | None:
@@ -836,6 +837,7 @@ class OnlineIteration:
             kill(self._actor, "the online coordinator")
             if self._logger is not None:
                 self._logger.join(timeout=5)
+            self._meter.close(failed=bool(self._failed), final=lambda: self.progress)
         if self._failed and not self._reported:
             # the query ended with a failed micro-batch nobody asked about: say so
             failure = self._failure()
@@ -977,7 +979,7 @@ def iterate_unbounded_streams(
     parquet = _parquet_source(df) if cfg.parquet_reader == "arrow" else None
     arrow_schema = None
     if parquet is not None:
-        from pyspark.sql.pandas.types import to_arrow_schema
+        from spark_ops._spark_compat import to_arrow_schema
 
         try:
             arrow_schema = to_arrow_schema(parquet[2])
@@ -993,6 +995,7 @@ def iterate_unbounded_streams(
     import ray
 
     name = f"hybrid_iter.online.{cfg.name or 'iteration'}.{uuid.uuid4().hex[:12]}"
+    meter = online_meter(cfg.name or "iteration", name.rsplit(".", 1)[1], cfg.staleness)
     checkpoint = None
     dead_letter_path = cfg.dead_letter_path
     location = None
@@ -1075,7 +1078,10 @@ def iterate_unbounded_streams(
     #: the IterationFailedError a micro-batch raised: Spark hands it to the user only as
     #: text inside its StreamingQueryException, the handle raises the object itself
     failed: list[IterationFailedError] = []
-    watch = _FailureWatch(spark.sparkContext, actor, name)
+    watch = _FailureWatch(spark, actor, name)
+    describe = functools.partial(
+        online_description, cfg.name or "iteration", "sync" if cfg.staleness == 0 else "async"
+    )
 
     def on_batch(batch_df: Any, batch_id: int) -> None:
         # never block on the lock while stop() drains: stop() holds it across query.stop(),
@@ -1113,7 +1119,10 @@ def iterate_unbounded_streams(
             return
         started = time.perf_counter()
         bad: list[dict[str, Any]] = []
-        with watch.batch(batch_id, f"{name}.batch-{batch_id}"):
+        with (
+            watch.batch(batch_id, f"{name}.batch-{batch_id}"),
+            job_description(spark.sparkContext, describe(batch_id)),
+        ):
             if parquet is not None:
                 results = _run_files(batch_df, batch_id, bad)
             else:
@@ -1142,6 +1151,8 @@ def iterate_unbounded_streams(
         if commit.applied:
             where["committed"], where["round"] = batch_id, commit.round
         _deliver(batch_id, commit.outputs)
+        if commit.applied:
+            meter.batch_seconds(time.perf_counter() - started)
         if printer.enabled:
             s = ray.get(actor.online_state.remote())
             printer.update_online(s, time.perf_counter() - started)
@@ -1211,6 +1222,7 @@ def iterate_unbounded_streams(
         lost,
         files_waiting=files_waiting,
         failed=failed,
+        meter=meter,
     )
 
 
@@ -1236,21 +1248,18 @@ def _recorded_failures(actor: Any) -> list[Any]:
 
 
 #: the local properties ``SparkContext.setJobGroup`` sets on the calling thread
-_JOB_GROUP_KEYS = ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel")
-
-
 class _FailureWatch:
     """The driver's watch over an online iteration's micro-batches: one daemon thread
     per iteration long-polls the coordinator (one call per 5 s, off every batch's path)
     and, as soon as a failure is recorded (a callback raised, or a task's watchdog
-    reported a stuck one), cancels the job group of the micro-batch in progress, as the
-    bounded path's monitor does: a task stuck in a callback never returns by itself.
-    ``batch`` runs one micro-batch's Spark jobs under it."""
+    reported a stuck one), cancels the Spark jobs of the micro-batch in progress (by
+    their job tag), as the bounded path's monitor does: a task stuck in a callback never
+    returns by itself. ``batch`` runs one micro-batch's Spark jobs under the tag."""
 
-    def __init__(self, sc: Any, actor: Any, name: str) -> None:
-        self._sc, self._actor = sc, actor
+    def __init__(self, spark: Any, actor: Any, name: str) -> None:
+        self._spark, self._actor = spark, actor
         self._lock = threading.Lock()
-        self._group: str | None = None
+        self._tag: JobTag | None = None
         self._failed = False
         self._thread = threading.Thread(target=self._run, name=f"{name}-watch", daemon=True)
         self._thread.start()
@@ -1269,39 +1278,30 @@ class _FailureWatch:
                 return  # the iteration was stopped (or its coordinator died)
             if p.failed:
                 with self._lock:
-                    self._failed, group = True, self._group
-                if group is not None:
-                    self._sc.cancelJobGroup(group)
+                    self._failed, tag = True, self._tag
+                if tag is not None:
+                    tag.cancel()
                 return
 
     @contextmanager
-    def batch(self, batch_id: int, fallback_group: str) -> Iterator[None]:
-        """Run micro-batch ``batch_id``'s Spark jobs (in ``foreachBatch``) in a job group
-        the watch cancels on a failure: the one Structured Streaming runs the query's
-        jobs in (its run id, interruptible: what ``query.stop()`` cancels), or
-        ``fallback_group`` set here when the thread has none.
+    def batch(self, batch_id: int, tag_name: str) -> Iterator[None]:
+        """Run micro-batch ``batch_id``'s Spark jobs (in ``foreachBatch``) under job tag
+        ``tag_name``, which the watch cancels on a failure.
 
         When a job fails and the coordinator holds a failure (a task reported the
         callback that raised, or a ``CallTimeout``), raise ``IterationFailedError`` naming
         the partition, the micro-batch and the method; without one (an executor died,
         ...), Spark's own error goes on unchanged. After a failure no batch starts."""
-        sc = self._sc
-        group = sc.getLocalProperty("spark.jobGroup.id")
-        saved = None
-        if group is None:
-            saved = {key: sc.getLocalProperty(key) for key in _JOB_GROUP_KEYS}
-            group = fallback_group
-            sc.setJobGroup(
-                group, f"hybrid_iter online micro-batch {batch_id}", interruptOnCancel=True
-            )
-        with self._lock:  # either the watch sees this group, or this batch sees the failure
-            self._group, failed = group, self._failed
+        tag = JobTag(self._spark, tag_name)
+        with self._lock:  # either the watch sees this tag, or this batch sees the failure
+            self._tag, failed = tag, self._failed
         try:
-            if failed:
-                failures = _recorded_failures(self._actor)
-                if failures:
-                    raise _batch_failed(batch_id, failures) from failures[0]
-            yield
+            with tag.on_this_thread(f"hybrid_iter online micro-batch {batch_id}"):
+                if failed:
+                    failures = _recorded_failures(self._actor)
+                    if failures:
+                        raise _batch_failed(batch_id, failures) from failures[0]
+                yield
         except IterationFailedError:
             raise
         except Exception:
@@ -1311,10 +1311,7 @@ class _FailureWatch:
             raise _batch_failed(batch_id, failures) from failures[0]
         finally:
             with self._lock:
-                self._group = None
-            if saved is not None:
-                for key, value in saved.items():
-                    sc.setLocalProperty(key, value)
+                self._tag = None
 
 
 def _partial_run(

@@ -6,11 +6,20 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 from coordinator import OnlineStatus, Progress
 
-__all__ = ["ProgressPrinter"]
+__all__ = ["ProgressPrinter", "rows_per_second"]
+
+
+def rows_per_second(p: Progress) -> float | None:
+    """Rows of one pass over the data per second of the last global epoch (None until
+    both are known)."""
+    if p.rows and p.last_epoch_seconds:
+        return p.rows / p.last_epoch_seconds
+    return None
 
 
 class ProgressPrinter:
@@ -45,10 +54,16 @@ class ProgressPrinter:
         spe = (
             f"{p.last_epoch_seconds * 1000:.1f} ms/epoch" if p.last_epoch_seconds else "- ms/epoch"
         )
-        line = f"[{self.label}] epoch {p.epochs:>5}  loss {self._fmt_loss(p.loss):>12}  {spe:>16}"
-        if p.rows and p.last_epoch_seconds:
-            # rows of one pass over the data per second of the last global epoch
-            line += f"  {self._fmt_rate(p.rows / p.last_epoch_seconds):>14}"
+        if isinstance(p.loss, Mapping):  # several figures (hybrid_iter.ps: loss, metrics, shards)
+            shown = "  ".join(f"{k} {self._fmt_loss(v)}" for k, v in p.loss.items())
+            line = f"[{self.label}] epoch {p.epochs:>5}  {shown}  {spe:>16}"
+        else:
+            line = (
+                f"[{self.label}] epoch {p.epochs:>5}  loss {self._fmt_loss(p.loss):>12}  {spe:>16}"
+            )
+        rate = rows_per_second(p)
+        if rate is not None:
+            line += f"  {self._fmt_rate(rate):>14}"
         subtasks = p.subtask_epochs
         if subtasks and max(subtasks) != min(subtasks):
             slow = subtasks.index(min(subtasks))

@@ -7,7 +7,9 @@ decoded to numpy in Spark tasks.
 * Spark task: ``FeatureCache(plan)`` takes the Arrow batches of a partition once and
   gives a ``(rows, d)`` Fortran-ordered float64 matrix (what BLAS reads fastest column by
   column), the label and the weights; ``ColumnCache`` does the same for any columns
-  (``hybrid_iter.ps``), keeping integer columns as integers.
+  (``hybrid_iter.ps``), keeping integer columns as integers, and keeps the columns it is
+  told to as CSR (``read_csr``: a vector column, a variable-length array of ids or one
+  id per row, read from Arrow without a dense intermediate, whatever the vectors' width).
 
 How Spark hands a ``pyspark.ml.linalg`` vector to ``mapInArrow``: as its UDT's storage
 type, ``struct<type: int8, size: int32, indices: list<int32>, values: list<double>>``,
@@ -39,6 +41,7 @@ __all__ = [
     "FeaturePlan",
     "column_kind",
     "decode_vectors",
+    "read_csr",
     "resolve_features",
 ]
 
@@ -252,6 +255,79 @@ def decode_vectors(col: pa.Array, dim: int, name: str) -> np.ndarray:
     return out
 
 
+#: one column as CSR: row offsets (rows + 1), ids, values (None: every value is 1)
+Csr = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
+
+
+def read_csr(col: pa.Array | pa.ChunkedArray, name: str) -> Csr:
+    """A column as CSR ``(offsets, ids, values)``, without a dense intermediate.
+
+    * a ``VectorUDT`` column: a sparse row's ``indices`` and ``values`` as they are (its
+      ``size`` is never materialised: a 2^30-wide vector costs its entries only); a dense
+      row's ids are ``0 .. len - 1``;
+    * an array of integers (any length per row, a null array is a row without ids): ids,
+      no values;
+    * an integer column: one id per row, no values.
+
+    Nulls that cannot mean "no ids" (a null vector, a null id) raise
+    ``DataValidationError`` naming the column.
+    """
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    n = len(col)
+    t = col.type
+    if pat.is_struct(t) and t.get_field_index("indices") >= 0:
+        if col.null_count:
+            raise DataValidationError(
+                f"vector column {name!r} has {col.null_count} null row(s); drop them first "
+                f"(df.na.drop(subset=[{name!r}]))"
+            )
+        kind_arr, _size, idx_arr, val_arr = col.flatten()  # honours the array's offset
+        lengths = _lengths(val_arr)
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        values = val_arr.flatten().to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+        dense = kind_arr.to_numpy(zero_copy_only=False) == 1
+        sparse_ids = idx_arr.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+        if not dense.any():
+            return offsets, sparse_ids, values
+        ids = np.empty(len(values), dtype=np.int64)
+        elem_row = np.repeat(np.arange(n), lengths)
+        in_dense = dense[elem_row]
+        ids[~in_dense] = sparse_ids
+        ids[in_dense] = (np.arange(len(values)) - offsets[elem_row])[in_dense]
+        return offsets, ids, values
+    value_type = t.value_type if (pat.is_list(t) or pat.is_large_list(t)) else None
+    if value_type is not None:
+        if not pat.is_integer(value_type):
+            raise DataValidationError(
+                f"column {name!r} holds arrays of {value_type}, not of integer ids"
+            )
+        flat = col.flatten()
+        if flat.null_count:
+            raise DataValidationError(
+                f"column {name!r} has {flat.null_count} null id(s) inside its arrays; drop "
+                f"them first (F.filter(F.col({name!r}), lambda x: x.isNotNull()))"
+            )
+        lengths = _lengths(col)
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        ids = flat.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        return offsets, ids, None
+    if pat.is_integer(t):
+        if col.null_count:
+            raise DataValidationError(
+                f"id column {name!r} has {col.null_count} null value(s); drop or fill them "
+                f"first (df.na.drop(subset=[{name!r}]))"
+            )
+        ids = col.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        return np.arange(n + 1, dtype=np.int64), ids, None
+    raise DataValidationError(
+        f"column {name!r} has type {t}; ids are read from integer columns, arrays of "
+        f"integers or vector columns"
+    )
+
+
 def _decode(batch: pa.RecordBatch, name: str, kind: str, dim: int | None) -> np.ndarray:
     col = batch.column(batch.schema.get_field_index(name))
     if kind == VECTOR:
@@ -397,18 +473,36 @@ class ColumnCache:
 
     ``widths`` gives the width of vector columns (decoded dense, float64); other
     columns keep their kind: float64 for floating point and decimals, int64 for integers,
-    bool for booleans, 2-D for array columns.
+    bool for booleans, 2-D for array columns. Columns in ``csr_columns`` are kept as CSR
+    (``read_csr``; ``csr()``), never densified.
     """
 
-    def __init__(self, columns: Sequence[str], vector_widths: dict[str, int]) -> None:
+    def __init__(
+        self,
+        columns: Sequence[str],
+        vector_widths: dict[str, int],
+        csr_columns: Sequence[str] = (),
+    ) -> None:
         self.columns = list(columns)
         self.vector_widths = dict(vector_widths)
+        self.csr_columns = list(csr_columns)
         self._chunks = ColumnChunks()
+        self._csr_chunks: dict[str, list[Csr]] = {c: [] for c in self.csr_columns}
         self._arrays: dict[str, np.ndarray] | None = None
+        self._csr: dict[str, Csr] | None = None
         self.num_rows = 0
 
     def add(self, batch: pa.RecordBatch) -> None:
+        for name in self.csr_columns:
+            idx = batch.schema.get_field_index(name)
+            if idx < 0:
+                raise DataValidationError(
+                    f"column {name!r} is not in the data; its columns are {batch.schema.names}"
+                )
+            self._csr_chunks[name].append(read_csr(batch.column(idx), name))
         for name in self.columns:
+            if name in self.csr_columns:
+                continue
             if name in self.vector_widths:
                 part = _decode(batch, name, VECTOR, self.vector_widths[name])
             else:
@@ -416,11 +510,36 @@ class ColumnCache:
             self._chunks.add(name, part)
         self.num_rows += batch.num_rows
 
+    def csr(self) -> dict[str, Csr]:
+        """Each CSR column of the partition, its batches joined once."""
+        if self._csr is None:
+            self._csr = {}
+            for name, chunks in self._csr_chunks.items():
+                self._csr[name] = _join_csr(chunks)
+            self._csr_chunks = {}
+        return self._csr
+
     def arrays(self) -> dict[str, np.ndarray]:
         if self._arrays is None:
             self._arrays = {}
             for name in self.columns:
+                if name in self.csr_columns:
+                    continue
                 width = self.vector_widths.get(name)
                 # a column keeps its own dtype (ColumnChunks' dtype is only for empties)
                 self._arrays[name] = self._chunks.join(name, (0, width) if width else (0,))
         return self._arrays
+
+
+def _join_csr(chunks: Sequence[Csr]) -> Csr:
+    if not chunks:
+        return np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64), None
+    if len(chunks) == 1:
+        return chunks[0]
+    shift = np.cumsum([0] + [len(c[1]) for c in chunks[:-1]])
+    offsets = np.concatenate([chunks[0][0][:1]] + [c[0][1:] + s for c, s in zip(chunks, shift)])
+    ids = np.concatenate([c[1] for c in chunks])
+    if all(c[2] is None for c in chunks):
+        return offsets, ids, None
+    values = np.concatenate([c[2] if c[2] is not None else np.ones(len(c[1])) for c in chunks])
+    return offsets, ids, values

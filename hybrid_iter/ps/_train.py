@@ -3,31 +3,31 @@ computes on a numpy batch, against a sharded parameter server.
 
 Where things run:
 
-* driver: ``train`` checks every argument, flattens ``init``, starts the shard actors
-  (``coordinator._ps.ParameterShard`` / ``FreeShard`` made Ray actors here, ``num_cpus=0``, each owning
-  a contiguous key range of the flat parameter vector and its optimizer state), runs one
-  iteration, gathers the shards' values and stops them.
-* Spark tasks (``_Worker``, one per subtask): read their partition once into numpy
-  columns; each epoch is one pass over them in mini-batches of ``batch_size`` rows; each
-  step pulls the parameters from every shard (zero-copy from the object store when
-  large), calls ``grad_fn``, and pushes the gradient slices (dense, or ``Sparse``
-  entries routed to the shards that own them) straight to the shards; the push's reply
-  carries the next step's parameters. Only ``(loss, rows)`` per epoch goes to the
-  iteration's coordinator.
-* Ray coordinator actor (``_Epochs``): epoch accounting, the loss per epoch, termination
-  (``epochs``, or ``tol``) and, in SSP mode, the staleness bound between subtasks.
+* driver: ``train`` checks every argument (before any Spark job), splits ``init`` into
+  dense parameters (one flat vector, key ranges over the shards) and sparse tables
+  (``ps.Table``: rows keyed by int64 ids, hash-partitioned over the shards), starts the
+  shard actors (``coordinator._ps.ParameterShard`` / ``FreeShard`` made Ray actors here,
+  ``num_cpus=0``), runs one iteration, and returns the model: dense parameters gathered,
+  tables left on their shards (``Model``; nothing on the driver is O(table size)).
+* Spark tasks (``_worker.Worker``, one per subtask): read their partition once (id
+  columns as CSR), then per step pull only the rows the batch references, fused with
+  the previous push (one call per shard per step), call ``grad_fn``, check the whole
+  gradient, push it. Only ``(loss, rows, ...)`` per epoch goes to the coordinator.
+* Ray coordinator actor (``_epochs.Epochs``): epoch accounting, losses, evaluation
+  metrics, termination (``epochs``, ``tol``, early stopping), bounded staleness in
+  epochs (SSP), and the shards' resets, checkpoints and restores.
 
 Modes: ``"sync"``: every step is one global update (the subtasks' mean gradients
 weighted by their rows, summed in subtask order: deterministic, equal to a single
 process loop over the same batches); ``"async"``: each push is applied on arrival,
-pulls take the newest parameters, no subtask waits for another; ``"ssp"``: async
-steps, but no subtask more than ``staleness`` epochs ahead of the slowest.
+pulls take the newest parameters, no subtask waits for another (``staleness_steps=k``:
+none more than ``k`` steps ahead of the slowest); ``"ssp"``: async steps, but no subtask
+more than ``staleness`` epochs ahead of the slowest.
 """
 
 from __future__ import annotations
 
 import math
-import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,23 +35,15 @@ from typing import Any
 
 import numpy as np
 
-from coordinator._finite import first_nonfinite
-from coordinator._ps import NonFiniteGradient, ShardSpec, shard_class
-from coordinator._variables import fetch_all
+from coordinator._ps import ShardSpec, shard_class
+from coordinator._tables import TableSpec
 
 from .._body import IterationBody
-from .._config import IterationConfig
-from .._errors import (
-    ConfigTypeError,
-    HybridIterError,
-    IterationConfigError,
-    IterationFailedError,
-    WorkerDiedError,
-)
-from .._operators import CoordinatorOperator, PartitionOperator
+from .._config import CheckpointConfig, IterationConfig
+from .._errors import IterationConfigError, IterationFailedError, WorkerDiedError
 from .._result import IterationResult
 from .._runtime.iterate import iterate_bounded_streams_until_termination
-from .._runtime.placement import actor_class, kill, launch
+from .._runtime.placement import actor_class, kill, launch, launch_held
 from .._runtime.ray_util import NAMESPACE
 from .._streams import DataStream, ReplayableDataStreamList
 from ..ml._base import (
@@ -61,35 +53,75 @@ from ..ml._base import (
     check_progress,
     relaunch_if_worker_died,
 )
-from ..ml._features import VECTOR, ColumnCache, column_kind, resolve_features
-from ..ml._sgd import DIVERGENCE_PATIENCE, LossWatch
+from ..ml._features import VECTOR, column_kind, resolve_features
+from ._client import Shards, TablePlan
+from ._epochs import METRICS, Epochs
 from ._layout import Layout
+from ._model import Model, _TableMeta
 from ._optim import SGD, Optimizer
+from ._tables import Table
+from ._worker import EvalPlan, TrainPlan, Worker
 
-__all__ = ["TrainFailedError", "TrainResult", "launch_shards", "stop_shards", "train"]
+__all__ = [
+    "TrainFailedError",
+    "TrainResult",
+    "launch_shards",
+    "launch_table_shards",
+    "stop_shards",
+    "train",
+]
 
 #: ``num_shards=None`` gives each shard about this many parameters (at most ``_MAX_AUTO``).
 PARAMS_PER_SHARD = 2_500_000
 _MAX_AUTO_SHARDS = 4
+#: ``num_shards=None`` with tables: this many shards (each its own process)
+TABLE_SHARDS = 2
+
+# the client's name where the benchmarks and tests import it from
+_Shards = Shards
 
 
 @dataclass(frozen=True)
 class TrainResult:
     """What ``ps.train`` returns.
 
-    ``params``: the trained parameters in ``init``'s structure; ``result``: the
-    iteration's ``IterationResult`` (``loss`` per epoch, timings, ``plot()``);
-    ``shards``: each shard's key range and counters (pushes, updates, pulls, puts).
+    ``params``: the trained parameters in ``init``'s structure (dense arrays; each table
+    a ``TableRef`` to its rows, which stay on the shards); ``result``: the iteration's
+    ``IterationResult`` (``loss`` per epoch, timings, ``plot()``); ``shards``: each
+    shard's counters (pushes, updates, calls, bytes in and out, keys held per table, the
+    hottest keys and their share of all touches); ``model``: the ``Model`` (``save``,
+    ``transform``, ``lookup``, ``to_dataframe``; ``close()`` stops the shards).
     """
 
     params: Any
     result: IterationResult
     shards: list[dict[str, Any]] = field(default_factory=list)
+    model: Model | None = None
 
     @property
     def loss(self) -> list[float]:
         """The mean loss of each epoch (over every row the epoch trained on)."""
         return [float(v) for v in self.result.outputs.get("loss", [])]
+
+    @property
+    def eval(self) -> list[dict[str, float]]:
+        """Per epoch, the evaluation metrics over ``eval_df`` (``epoch``, ``rows`` and one
+        entry per metric)."""
+        return list(self.result.outputs.get("eval", []))
+
+    @property
+    def best(self) -> dict[str, Any] | None:
+        """The epoch with the best first evaluation metric, and that value."""
+        got = self.result.outputs.get("best", [])
+        return dict(got[-1]) if got else None
+
+    @property
+    def restores(self) -> list[dict[str, Any]]:
+        """Each restore of the shards from a checkpoint during the run: per shard the
+        updates applied after the cut that were discarded (None: the shard had died,
+        they were lost with it), and each worker's position at the cut and at the
+        failure (the steps between them ran again)."""
+        return list(self.result.outputs.get("restore", []))
 
     def plot(self, path: str | None = None, *, compare: Any = None) -> Any:
         """``IterationResult.plot`` of the training run."""
@@ -97,14 +129,41 @@ class TrainResult:
             compare = compare.result
         return self.result.plot(path, compare=compare)
 
+    def _model(self) -> Model:
+        if self.model is None:  # pragma: no cover - train always sets it
+            raise IterationConfigError("this result holds no model")
+        return self.model
+
+    def save(self, uri: str) -> str:
+        """``Model.save``: the tables written by their shards in parallel (Parquet)."""
+        return self._model().save(uri)
+
+    def transform(self, df: Any, predict_fn: Any = None, *, output_col: str = "prediction") -> Any:
+        """``Model.transform``: score ``df`` by looking the rows up on the shards."""
+        return self._model().transform(df, predict_fn, output_col=output_col)
+
+    def lookup(self, table: str, ids: Any) -> np.ndarray:
+        """``Model.lookup``: rows of ``ids`` (unknown ids: the initializer's value)."""
+        return self._model().lookup(table, ids)
+
+    def to_dataframe(self, spark: Any, table: str) -> Any:
+        """``Model.to_dataframe``: the table as a DataFrame ``(key, vector)``."""
+        return self._model().to_dataframe(spark, table)
+
+    def close(self) -> None:
+        """Stop the shards (their tables are gone unless saved)."""
+        if self.model is not None:
+            self.model.close()
+
 
 class TrainFailedError(IterationFailedError):
     """``ps.train`` failed (a ``IterationFailedError``: ``failures`` as there).
 
     ``params``: the parameters the shards held when the training stopped, in ``init``'s
-    structure: every update applied before the failure and nothing of the step that
-    failed (a step is checked whole on its worker before any shard receives a slice of
-    it); None when a shard could not be read (it was lost)."""
+    structure (tables as ``TableRef``: their shards are kept for it): every update
+    applied before the failure and nothing of the step that failed (a step is checked
+    whole on its worker before any shard receives a slice of it); None when a shard
+    could not be read (it was lost)."""
 
     def __init__(
         self, message: str, failures: Mapping[int | str, BaseException], params: Any
@@ -116,281 +175,136 @@ class TrainFailedError(IterationFailedError):
         return (TrainFailedError, (self.message, self.failures, self.params))
 
 
-# -- Spark task side --------------------------------------------------------------------
-
-
-class _Shards:
-    """The task's handles to every shard: pull the whole vector, push a gradient."""
-
-    def __init__(
-        self, names: Sequence[str], bounds: Sequence[int], dtype: str, *, sync: bool = True
-    ) -> None:
-        """``sync``: the shards are sync-mode ones, whose pulls wait for ``(epoch, step)``;
-        async shards take no arguments (each argument of a Ray call costs ~50 us)."""
-        import ray
-
-        # Any, like start_shards' handles: ray types get_actor's handle as of no class
-        self.handles: list[Any] = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
-        self.bounds = list(bounds)
-        self.dtype = np.dtype(dtype)
-        self.buffer: np.ndarray | None = None
-        self.sync = sync
-
-    def _assemble(self, replies: list[Any]) -> np.ndarray:
-        import ray
-
-        # one round trip for every shard's object-store reference
-        parts = fetch_all([(inline, ref) for _v, inline, ref in replies], ray.get)
-        if len(parts) == 1:
-            flat = parts[0]
-        else:
-            if self.buffer is None:
-                self.buffer = np.empty(self.bounds[-1], dtype=self.dtype)
-            np.concatenate(parts, out=self.buffer)
-            flat = self.buffer.view()
-        flat.flags.writeable = False
-        return flat
-
-    def pull(self, epoch: int, step: int) -> np.ndarray:
-        import ray
-
-        if self.sync:
-            return self._assemble(ray.get([h.pull.remote(epoch, step) for h in self.handles]))
-        return self._assemble(ray.get([h.pull.remote() for h in self.handles]))
-
-    def push(
-        self,
-        pid: int,
-        epoch: int,
-        step: int,
-        grad: Any,
-        rows: float,
-        last: bool,
-    ) -> np.ndarray | None:
-        """Send ``grad`` (flat dense, ``(indices, values)``, or None) to the shards; the
-        parameters of the next step unless this was the epoch's ``last``."""
-        import ray
-
-        calls = []
-        lo_hi = list(zip(self.bounds[:-1], self.bounds[1:]))
-        if isinstance(grad, tuple):
-            idx, vals = grad
-            cuts = np.searchsorted(idx, self.bounds)
-        for i, (h, (lo, hi)) in enumerate(zip(self.handles, lo_hi)):
-            if grad is None:
-                part: Any = None
-            elif isinstance(grad, tuple):
-                a, b = cuts[i], cuts[i + 1]
-                part = (idx[a:b] - lo, vals[a:b])
-            else:
-                part = grad[lo:hi]
-            calls.append(h.push_packed.remote((pid, epoch, step, part, rows, last, not last)))
-        try:
-            replies = ray.get(calls)
-        except ray.exceptions.RayTaskError as ex:
-            if isinstance(ex.cause, HybridIterError):  # a shard refused the push: say why
-                raise ex.cause from None
-            raise
-        return None if last else self._assemble(replies)
-
-
-class _Worker(PartitionOperator):
-    """Runs in a Spark task: caches its columns, runs each epoch's steps against the
-    shards, feeds back ``(loss sum, rows, steps, epoch start)``."""
-
-    def __init__(
-        self,
-        *,
-        grad_fn: Callable[[Any, dict[str, np.ndarray]], Any],
-        layout: Layout,
-        columns: Sequence[str],
-        vector_widths: Mapping[str, int],
-        shard_names: Sequence[str],
-        bounds: Sequence[int],
-        batch_size: int | None,
-        shuffle: bool,
-        seed: int,
-        optimizer: Optimizer,
-        sync_shards: bool = True,
-    ) -> None:
-        self.grad_fn = grad_fn
-        self.optimizer = optimizer
-        self.layout = layout
-        self.columns = list(columns)
-        self.vector_widths = dict(vector_widths)
-        self.shard_names = list(shard_names)
-        self.bounds = list(bounds)
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.sync_shards = sync_shards
-
-    def open(self, ctx: Any) -> None:
-        self.cache = ColumnCache(self.columns, self.vector_widths)
-        self.shards: _Shards | None = None
-
-    def process_data(self, stream: int, batch: Any, ctx: Any, out: Any) -> None:
-        self.cache.add(batch)
-
-    def _call(self, w: np.ndarray, batch: dict[str, np.ndarray]) -> tuple[float, Any]:
-        got = self.grad_fn(self.layout.unflatten(w), batch)
-        if not isinstance(got, tuple) or len(got) != 2:
-            raise ConfigTypeError(
-                f"grad_fn must return (loss, gradient), got {type(got).__name__}; e.g. "
-                f"`return float(loss), grad`"
-            )
-        loss, grad = got
-        try:
-            loss = float(loss)
-        except (TypeError, ValueError):
-            raise ConfigTypeError(
-                f"grad_fn must return the batch's mean loss as a number first, got "
-                f"{type(loss).__name__}"
-            ) from None
-        return loss, self.layout.flatten_grad(grad)
-
-    def _check_step(
-        self, loss: float, grad: Any, w: np.ndarray, pid: int, epoch: int, step: int
-    ) -> None:
-        """Refuse a step whose gradient or loss is not finite before any of it is sent:
-        every shard then holds exactly the updates before this step, none of it (a
-        shard's own check would let the shards before it apply their slices)."""
-        bad = self.layout.nonfinite_grad(grad)
-        if bad is None and math.isfinite(loss):
-            return
-        what = f"a gradient with {bad}" if bad else f"a loss of {loss} (its gradient is finite)"
-        i = first_nonfinite(w)
-        cause = (
-            f"the parameters it was computed from already hold "
-            f"{self.layout.locate(i, 'init')} = {w[i]}: an update overflowed; lower the "
-            f"learning rate of {self.optimizer}"
-            if i is not None
-            else f"if the parameters grew too large, lower the learning rate of "
-            f"{self.optimizer}; otherwise look in grad_fn for a division by zero, a log of "
-            f"0 or an overflow (np.seterr(all='raise') in it stops at the first)"
-        )
-        raise NonFiniteGradient(
-            f"grad_fn returned {what} in partition {pid} at epoch {epoch}, step {step}; "
-            f"nothing of this step was sent to the parameter server (it holds every "
-            f"earlier update). {cause[0].upper()}{cause[1:]}"
-        )
-
-    def on_epoch_watermark_incremented(self, epoch: int, ctx: Any, out: Any) -> None:
-        started = time.time()
-        if self.shards is None:
-            self.shards = _Shards(
-                self.shard_names, self.bounds, self.layout.dtype, sync=self.sync_shards
-            )
-        arrays = self.cache.arrays()
-        n = self.cache.num_rows
-        pid = ctx.partition_id
-        b = n if self.batch_size is None else self.batch_size
-        steps = math.ceil(n / b) if n else 0
-        if steps == 0:
-            self.shards.push(pid, epoch, 0, None, 0.0, True)
-            out.feedback((0.0, 0, 0, started))
-            return
-        order = (
-            np.random.default_rng([self.seed, pid, epoch]).permutation(n) if self.shuffle else None
-        )
-        w = self.shards.pull(epoch, 0)
-        loss_sum = 0.0
-        for s in range(steps):
-            lo, hi = s * b, min(n, (s + 1) * b)
-            if order is not None:
-                rows = order[lo:hi]
-                batch = {k: v[rows] for k, v in arrays.items()}
-            elif lo == 0 and hi == n:
-                batch = arrays
-            else:
-                batch = {k: v[lo:hi] for k, v in arrays.items()}
-            loss, grad = self._call(w, batch)
-            self._check_step(loss, grad, w, pid, epoch, s)
-            loss_sum += loss * (hi - lo)
-            last = s == steps - 1
-            nxt = self.shards.push(pid, epoch, s, grad, float(hi - lo), last)
-            if nxt is not None:
-                w = nxt
-        out.feedback((loss_sum, n, steps, started))
-
-
-# -- Ray coordinator actor --------------------------------------------------------------
-
-
-class _Epochs(CoordinatorOperator):
-    """Runs in the Ray coordinator actor: the loss of each epoch, termination, and the
-    stop of a run whose loss rises.
-
-    Rising loss: ``ml``'s rule (``LossWatch``) on the epoch losses, in every mode: an
-    epoch is worse when its loss is above twice the best epoch loss so far *and* above
-    the first epoch's loss; ``DIVERGENCE_PATIENCE`` (5) worse epochs in a row stop the
-    run naming the optimizer and its learning rate. Each loss is the mean over every row
-    of the epoch, so mini-batch noise is averaged out, and async/SSP staleness or a
-    momentum/Adam oscillation that still converges comes back under twice its best, or
-    stays under where it started, within 5 epochs (a full-batch SGD(0.1, momentum=0.9)
-    run swings up to 50x above its best for 10 epochs in a row while converging: why the
-    second condition). A run whose loss climbs past where it started and stays there is
-    stopped; one that blows up within its first epoch and then falls is not (its first
-    epoch is the reference), its ``loss`` shows it.
-    """
-
-    def __init__(self, epochs: int, tol: float | None, optimizer: Optimizer) -> None:
-        self.epochs = epochs
-        self.tol = tol
-        self.optimizer = optimizer
-
-    def open(self, init_variables: Any, ctx: Any) -> None:
-        self.sums: dict[int, list[float]] = {}
-        self.t0 = math.inf
-        self.watch = LossWatch(above_first=True)
-
-    def _fix(self) -> str:
-        opt = self.optimizer
-        lr = float(getattr(opt, "learning_rate", math.nan))
-        return (
-            f"the optimizer {type(opt).__name__}(learning_rate={lr:g}) overshoots: lower its "
-            f"learning rate (e.g. learning_rate={lr / 10:g}), or scale the features"
-        )
-
-    def process_feedback(self, value: Any, ctx: Any, out: Any) -> None:
-        loss_sum, rows, _steps, started = value
-        self.t0 = min(self.t0, float(started))
-        acc = self.sums.setdefault(ctx.epoch, [0.0, 0.0])
-        acc[0] += loss_sum
-        acc[1] += rows
-
-    def on_epoch_watermark_incremented(self, epoch: int, ctx: Any, out: Any) -> None:
-        loss_sum, rows = self.sums.pop(epoch, (0.0, 0.0))
-        loss = loss_sum / rows if rows else math.nan
-        if rows:
-            if not math.isfinite(loss):
-                raise FloatingPointError(
-                    f"the loss diverged ({loss}) at epoch {epoch}; {self._fix()}"
-                )
-            if self.watch.rising(loss, patience=DIVERGENCE_PATIENCE, margin=2.0):
-                w = self.watch
-                raise FloatingPointError(
-                    f"the loss is rising: {loss:.6g} at epoch {epoch}, above twice its best "
-                    f"({w.best:.6g}) and above the first epoch's ({w.first:.6g}) for "
-                    f"{w.worse} epochs in a row; {self._fix()}"
-                )
-            out.output("loss", loss)
-            out.output("loss_trace", (time.time() - self.t0, loss))
-        # The model lives in the shards; publishing the epoch is what feeds the next
-        # epoch (partition feedback alone keeps no iteration alive, docs/semantics.md).
-        out.publish_variables(epoch=epoch + 1)
-        if self.tol is not None and epoch + 1 < self.epochs and not loss <= self.tol:
-            out.criteria()
-
-
 # -- driver -----------------------------------------------------------------------------
 
+_ID_HINT = (
+    "ids are read from integer columns (long, int, short, byte), arrays of them (any "
+    "length per row) or vector columns (pyspark.ml.linalg SparseVector/DenseVector)"
+)
 
-def _columns(df: Any, columns: Any) -> tuple[list[str], dict[str, int]]:
+
+def _is_id_type(dtype: Any) -> bool:
+    from pyspark.sql import types as T
+
+    if type(dtype).__name__ == "VectorUDT":
+        return True
+    if isinstance(dtype, T.ArrayType):
+        return isinstance(dtype.elementType, T.IntegralType)
+    return isinstance(dtype, T.IntegralType)
+
+
+def _split_init(init: Any) -> tuple[Any, dict[str, Table]]:
+    """``init``'s dense part (an array, a dict, or None) and its tables, by name."""
+    if isinstance(init, Table):
+        raise IterationConfigError(
+            "a ps.Table must be named: pass init={'w': ps.Table(...), ...} (and keys={'w': "
+            "'<id column>'})"
+        )
+    if not isinstance(init, Mapping):
+        return init, {}
+    tables = {k: v for k, v in init.items() if isinstance(v, Table)}
+    seen: dict[int, str] = {}
+    for name, t in tables.items():
+        if id(t) in seen:
+            raise IterationConfigError(
+                f"init declares the table {seen[id(t)]!r} twice: {name!r} is the same "
+                f"ps.Table object, so both would get the same rows (same seed, same keys); "
+                f"give each name its own ps.Table(...)"
+            )
+        seen[id(t)] = name
+    if not tables:
+        return init, {}
+    dense = {k: v for k, v in init.items() if k not in tables}
+    return (dense or None), tables
+
+
+def _check_keys(
+    df: Any,
+    tables: Mapping[str, Table],
+    keys: Any,
+    sparse_columns: Any,
+    dense_names: Sequence[str],
+) -> tuple[dict[str, tuple[str, ...]], tuple[str, ...]]:
+    """Each table's key columns and every column read as CSR, checked against ``df``."""
+    fields = {f.name: f for f in df.schema.fields}
+    out: dict[str, tuple[str, ...]] = {}
+    if keys is None:
+        keys = {}
+    if not isinstance(keys, Mapping):
+        raise IterationConfigError(
+            f"ps.train(keys=...) must map each table's name to its id column(s), e.g. "
+            f"keys={{'w': 'ids'}}, got {type(keys).__name__}"
+        )
+    for name in keys:
+        if name not in tables:
+            what = (
+                "a dense parameter (only a ps.Table takes keys)"
+                if name in dense_names
+                else "not in init"
+            )
+            raise IterationConfigError(
+                f"ps.train(keys=...) names {name!r}, which is {what}; tables: {sorted(tables)}"
+            )
+    for name in tables:
+        if name not in keys:
+            raise IterationConfigError(
+                f"ps.train(keys=...) gives no id column for the table {name!r}: add "
+                f"keys={{{name!r}: '<column of its ids>'}}"
+            )
+        given = keys[name]
+        cols: tuple[str, ...] = (
+            (given,)
+            if isinstance(given, str)
+            else tuple(given)
+            if isinstance(given, Sequence)
+            else ()
+        )
+        if not cols or not all(isinstance(c, str) and c for c in cols):
+            raise IterationConfigError(
+                f"ps.train(keys={{{name!r}: ...}}) must be a column name or a non-empty list "
+                f"of them, got {given!r}"
+            )
+        if len(set(cols)) != len(cols):
+            raise IterationConfigError(
+                f"ps.train(keys={{{name!r}: {list(cols)}}}) lists a column twice; list each once"
+            )
+        out[name] = cols
+    if isinstance(sparse_columns, str) or not isinstance(sparse_columns, Sequence):
+        raise IterationConfigError(
+            f"ps.train(sparse_columns=...) must be a list of column names, got {sparse_columns!r}"
+        )
+    every = list(dict.fromkeys([c for cols in out.values() for c in cols] + list(sparse_columns)))
+    for c in every:
+        where = "sparse_columns" if c in sparse_columns else "keys"
+        if c not in fields:
+            raise IterationConfigError(
+                f"ps.train({where}=...): column {c!r} is not in the DataFrame; its columns "
+                f"are {list(fields)}"
+            )
+        dtype = fields[c].dataType
+        if not _is_id_type(dtype):
+            cast = (
+                f"F.col({c!r}).cast('array<long>')"
+                if type(dtype).__name__ == "ArrayType"
+                else f"F.col({c!r}).cast('long')"
+            )
+            raise IterationConfigError(
+                f"ps.train({where}=...): the id column {c!r} has type "
+                f"{dtype.simpleString()}, which is not integral; {_ID_HINT}. Cast it "
+                f"({cast}) or hash it to integers first"
+            )
+    return out, tuple(every)
+
+
+def _columns(df: Any, columns: Any, csr: Sequence[str]) -> tuple[list[str], dict[str, int]]:
+    """The dense columns (numeric, arrays, vectors) besides the CSR ones, and the width of
+    each dense vector column."""
     fields = {f.name: f for f in df.schema.fields}
     if columns is None:
-        names = [n for n, f in fields.items() if column_kind(f.dataType) is not None]
-        if not names:
+        names = [
+            n for n, f in fields.items() if column_kind(f.dataType) is not None and n not in csr
+        ]
+        if not names and not csr:
             raise IterationConfigError(
                 "ps.train: the DataFrame has no numeric, array or vector column to train on"
             )
@@ -400,19 +314,22 @@ def _columns(df: Any, columns: Any) -> tuple[list[str], dict[str, int]]:
             f"every numeric, array and vector column), got {columns!r}"
         )
     else:
-        names = list(columns)
-        for n in names:
+        names = []
+        for n in columns:
             if n not in fields:
                 raise IterationConfigError(
                     f"ps.train(columns=...): column {n!r} is not in the DataFrame; its "
                     f"columns are {list(fields)}"
                 )
+            if n in csr:
+                continue  # read as CSR
             if column_kind(fields[n].dataType) is None:
                 raise IterationConfigError(
                     f"ps.train(columns=...): column {n!r} has type "
                     f"{fields[n].dataType.simpleString()}, which is not numeric, an array "
                     f"of numbers or a vector; cast it or leave it out"
                 )
+            names.append(n)
     widths = {
         n: resolve_features(df, n, param="ps.train(columns=...)").dim
         for n in names
@@ -428,14 +345,60 @@ def _shard_bounds(size: int, num_shards: int | None) -> list[int]:
     return [int(c) for c in cuts]
 
 
+def _check_eval(
+    eval_df: Any,
+    predict_fn: Any,
+    eval_metrics: Any,
+    label_col: Any,
+    early_stopping: Any,
+    needed: Sequence[str],
+) -> tuple[tuple[str, ...], int | None]:
+    if eval_df is None:
+        if early_stopping is not None:
+            raise IterationConfigError(
+                "ps.train(early_stopping=...) stops on an evaluation metric: give eval_df= "
+                "and predict_fn= too"
+            )
+        return (), None
+    check_dataframe("ps.train", eval_df, call="ps.train(eval_df=...)")
+    if not callable(predict_fn):
+        raise IterationConfigError(
+            "ps.train(eval_df=...) needs predict_fn(params, batch) -> one score per row (a "
+            "probability for the log loss)"
+        )
+    metrics = (eval_metrics,) if isinstance(eval_metrics, str) else tuple(eval_metrics or ())
+    if not metrics or any(m not in METRICS for m in metrics):
+        raise IterationConfigError(
+            f"ps.train(eval_metrics=...) must name metrics among {sorted(METRICS)}, got "
+            f"{eval_metrics!r}"
+        )
+    cols = set(eval_df.columns)
+    if not isinstance(label_col, str) or label_col not in cols:
+        raise IterationConfigError(
+            f"ps.train(label_col={label_col!r}) must be a column of eval_df (its columns are "
+            f"{eval_df.columns})"
+        )
+    missing = [c for c in needed if c not in cols]
+    if missing:
+        raise IterationConfigError(
+            f"ps.train(eval_df=...) lacks the column(s) {missing} that training reads; "
+            f"predict_fn gets the same columns as grad_fn"
+        )
+    check_int("ps.train", "early_stopping", early_stopping, minimum=1, optional=True)
+    return metrics, early_stopping
+
+
 def train(
     df: Any,
-    grad_fn: Callable[[Any, dict[str, np.ndarray]], Any],
+    grad_fn: Callable[[Any, dict[str, Any]], Any],
     init: Any,
     *,
+    keys: Mapping[str, str | Sequence[str]] | None = None,
+    sparse_columns: Sequence[str] = (),
     optimizer: Optimizer | None = None,
     mode: str = "sync",
     staleness: int | None = None,
+    staleness_steps: int | None = None,
     epochs: int = 10,
     batch_size: int | None = None,
     columns: Sequence[str] | None = None,
@@ -446,30 +409,55 @@ def train(
     parallelism: int | None = None,
     progress: bool | None = None,
     name: str | None = None,
+    checkpoint: CheckpointConfig | None = None,
+    max_restarts: int | None = None,
+    eval_df: Any = None,
+    predict_fn: Callable[[Any, dict[str, Any]], Any] | None = None,
+    eval_metrics: Sequence[str] | str = ("log_loss", "auc"),
+    label_col: str = "label",
+    early_stopping: int | None = None,
 ) -> TrainResult:
     """Train ``init`` by ``grad_fn`` over ``df`` on a sharded parameter server.
 
-    * ``grad_fn(params, batch) -> (loss, grad)``: runs in the Spark tasks; ``params`` has
-      ``init``'s structure (read-only arrays), ``batch`` maps each of ``columns`` to a
-      numpy array of the batch's rows (vector and array columns 2-D); return the batch's
-      mean loss and gradient, the gradient in ``params``' structure, any part of it may be
-      a ``ps.Sparse`` (only the touched entries travel).
-    * ``init``: a numeric array (any shape) or a dict of them (the initial parameters).
-    * ``optimizer``: ``ps.SGD(...)`` (default ``SGD(0.01)``) or ``ps.Adam(...)``, applied by
-      the shards.
-    * ``mode``: ``"sync"``, ``"async"`` or ``"ssp"`` (with ``staleness`` epochs).
-    * ``epochs``: passes over the data; ``batch_size``: rows per step of each subtask
-      (``None``: the whole partition, one step per epoch); ``shuffle``: a seeded new
-      order every epoch; ``tol``: also stop once an epoch's loss is <= ``tol``.
-    * ``num_shards``: shard actors (``None``: one per 2.5 million parameters, at most 4).
+    * ``grad_fn(params, batch) -> (loss, grad)``: runs in the Spark tasks. ``params`` has
+      ``init``'s structure: dense parameters as read-only arrays, each table as a
+      ``ps.Rows`` (``ids``: the unique ids the batch references, ``values``: their rows).
+      ``batch`` maps each column to the batch's rows: numpy arrays (vector and array
+      columns 2-D), id columns (``keys``, ``sparse_columns``) as ``ps.CSR``. Return the
+      batch's mean loss and the gradient in ``params``' structure: a dense part as an
+      array of exactly its shape or a ``ps.Sparse``; a table's part as ``(len(ids),
+      dim)`` rows aligned with ``params[name].ids`` (``x.t_dot(r)``); leave a part out
+      (or None) to not update it.
+    * ``init``: a numeric array, or a dict of arrays and ``ps.Table(dim, init=...)``.
+    * ``keys``: each table's id column(s): an integer column (one id per row), an array
+      of integers (any length per row) or a vector column (a ``SparseVector``'s indices
+      and values). ``sparse_columns``: more id columns read as ``ps.CSR`` (for a dense
+      parameter indexed by ids, e.g. ``x.dot(params["w"])`` with ``w`` an array).
+    * ``optimizer``: ``ps.SGD(...)`` (default ``SGD(0.01)``), ``ps.Adam``, ``ps.Adagrad``,
+      ``ps.FTRL``, applied by the shards (a ``Table`` may carry its own).
+    * ``mode``: ``"sync"``, ``"async"`` (``staleness_steps``: at most that many steps
+      ahead of the slowest worker) or ``"ssp"`` (``staleness`` epochs).
+    * ``epochs``, ``batch_size`` (rows per step of each subtask, ``None``: the whole
+      partition), ``shuffle`` (a seeded new order every epoch), ``tol`` (stop once an
+      epoch's loss is <= ``tol``).
+    * ``num_shards``: shard actors (``None``: 2 with tables, else one per 2.5 million
+      dense parameters, at most 4).
+    * ``checkpoint``: ``hi.CheckpointConfig``: the shards are part of every checkpoint
+      (each writes its own part, in parallel); a task or shard that dies is relaunched
+      (``max_restarts``) and every shard restored from the newest cut.
+    * ``eval_df``, ``predict_fn(params, batch) -> scores``, ``eval_metrics``
+      (``"log_loss"``, ``"auc"``), ``label_col``: evaluated after each epoch (in
+      ``result.eval`` and the progress line); ``early_stopping=k``: stop after ``k``
+      epochs without a better first metric.
 
-    Checked before any job: every argument, and ``init`` finite (a NaN/inf names the
-    parameter and index). Checked on each worker before a step is sent: the gradient has
-    exactly its parameter's shape (no reshaping) and is finite, the loss is finite
-    (``NonFiniteGradient`` names the parameter, index, partition, epoch and step; no shard
-    receives any part of that step). A loss that rises for 5 epochs in a row (see
-    ``_Epochs``) stops the run naming the optimizer's learning rate. A failed training
-    raises ``TrainFailedError`` whose ``params`` are what the shards held when it stopped.
+    Checked before any job: every argument, ``init`` finite (a NaN/inf names the
+    parameter and index), the id columns integral. Checked on each worker before a step
+    is sent: the gradient has exactly its parameter's shape (a table's: ``(len(ids),
+    dim)``) and is finite, the loss is finite (``NonFiniteGradient`` names the parameter
+    and index, or the table and key, and the partition, epoch and step; no shard
+    receives any part of that step). A loss that rises for 5 epochs in a row stops the
+    run naming the optimizer's learning rate. A failed training raises
+    ``TrainFailedError`` whose ``params`` are what the shards held when it stopped.
     """
     check_dataframe("ps.train", df, call="ps.train(df, ...)")
     if not callable(grad_fn):
@@ -477,21 +465,29 @@ def train(
             f"ps.train(grad_fn=...) must be a function (params, batch) -> (loss, grad), got "
             f"{type(grad_fn).__name__}"
         )
-    layout, flat = Layout.of(init)
+    dense_init, tables = _split_init(init)
+    layout, flat = Layout.of(dense_init) if dense_init is not None else (None, np.zeros(0))
     if optimizer is None:
         optimizer = SGD()
     if not isinstance(optimizer, Optimizer):
         raise IterationConfigError(
-            f"ps.train(optimizer=...) must be hybrid_iter.ps.SGD(...) or ps.Adam(...), got "
-            f"{type(optimizer).__name__}"
+            f"ps.train(optimizer=...) must be hybrid_iter.ps.SGD(...), ps.Adam(...), "
+            f"ps.Adagrad(...) or ps.FTRL(...), got {type(optimizer).__name__}"
         )
     iteration_staleness = check_mode("ps.train", mode, staleness)
+    check_int("ps.train", "staleness_steps", staleness_steps, minimum=0, optional=True)
+    if staleness_steps is not None and mode != "async":
+        raise IterationConfigError(
+            f"ps.train(staleness_steps=...) bounds how far async workers run apart: it "
+            f"needs mode='async' (got mode={mode!r})"
+        )
     check_int("ps.train", "epochs", epochs, minimum=1)
     check_int("ps.train", "batch_size", batch_size, minimum=1, optional=True)
     check_int("ps.train", "num_shards", num_shards, minimum=1, optional=True)
-    if num_shards is not None and num_shards > layout.size:
+    size = layout.size if layout is not None else 0
+    if num_shards is not None and not tables and num_shards > size:
         raise IterationConfigError(
-            f"ps.train(num_shards={num_shards}) exceeds the {layout.size} parameters; use at "
+            f"ps.train(num_shards={num_shards}) exceeds the {size} parameters; use at "
             f"most one shard per parameter"
         )
     if tol is not None and (
@@ -503,8 +499,32 @@ def train(
     check_int("ps.train", "seed", seed, minimum=0)
     check_int("ps.train", "parallelism", parallelism, minimum=1, optional=True)
     check_progress("ps.train", progress)
-    names, widths = _columns(df, columns)
-    bounds = _shard_bounds(layout.size, num_shards)
+    if checkpoint is not None and not isinstance(checkpoint, CheckpointConfig):
+        raise IterationConfigError(
+            f"ps.train(checkpoint=...) must be a hybrid_iter.CheckpointConfig(path, ...), got "
+            f"{type(checkpoint).__name__}"
+        )
+    dense_names = list(layout.names or ()) if layout is not None else []
+    key_cols, csr = _check_keys(df, tables, keys, sparse_columns, dense_names)
+    names, widths = _columns(df, columns, csr)
+    metrics, patience = _check_eval(
+        eval_df, predict_fn, eval_metrics, label_col, early_stopping, [*names, *csr]
+    )
+    if num_shards is None:
+        bounds = _shard_bounds(size, None if not tables else TABLE_SHARDS)
+    else:
+        bounds = _shard_bounds(size, num_shards)
+    specs = tuple(
+        TableSpec(
+            t,
+            int(tab.dim),
+            tab.init.plain(),
+            (tab.optimizer or optimizer).rule,
+            (tab.optimizer or optimizer).rule_params(),
+        )
+        for t, tab in tables.items()
+    )
+    plan_tables = TablePlan.of([(s.name, s.dim, key_cols[s.name]) for s in specs])
 
     from spark_ops import available_task_slots
 
@@ -514,85 +534,169 @@ def train(
     n = parallelism or available_task_slots(df.sparkSession)
     if n < 1:
         raise IterationConfigError("Spark has no task slots; start executors or a Session")
-    connect(_ray_address(df.sparkSession), namespace=NAMESPACE)
-    import ray
+    address = _ray_address(df.sparkSession)
+    connect(address, namespace=NAMESPACE)
+    config = IterationConfig(
+        staleness=iteration_staleness,
+        max_epochs=epochs,
+        parallelism=n,
+        progress=progress,
+        progress_tag="ps",
+        name=name or f"ps[{mode}]",
+        checkpoint=checkpoint,
+        max_restarts=max_restarts,
+    )
+    key = b""
+    if checkpoint is not None:
+        from coordinator._checkpoint import checkpoint_key
 
-    def run_once() -> tuple[IterationResult, list[Any], list[Any]]:
+        key = checkpoint_key()
+
+    def run_once() -> TrainResult:
         # new shards from ``init`` each launch: a relaunch never sees a failed one's updates
         shards: list[Any] = []
+        model: Model | None = None
+        made = _Made(layout, specs, key_cols, [], [], [], predict_fn, names, widths, csr, address)
         try:
-            shard_names, shards = launch_shards(
-                flat, bounds, optimizer, num_workers=n, sync=mode == "sync"
+            shard_names, shards, held = _launch(
+                flat,
+                bounds,
+                optimizer,
+                num_workers=n,
+                sync=mode == "sync",
+                tables=specs,
+                staleness_steps=staleness_steps,
+                max_restarts=config.restarts,
+                key=key,
+                label=config.name or "train",
             )
-            worker = _Worker(
-                grad_fn=grad_fn,
+            made.shard_names, made.shards, made.held = shard_names, shards, held
+            evaluation = None
+            if eval_df is not None:
+                assert predict_fn is not None
+                evaluation = EvalPlan(
+                    predict_fn,
+                    label_col,
+                    tuple(dict.fromkeys([*names, *csr, label_col])),
+                    "log_loss" in metrics,
+                )
+            plan = TrainPlan(
                 layout=layout,
-                columns=names,
+                columns=tuple(names),
                 vector_widths=widths,
-                shard_names=shard_names,
-                bounds=bounds,
+                csr_columns=csr,
+                tables=plan_tables,
+                shard_names=tuple(shard_names),
+                bounds=tuple(bounds),
+                dtype=layout.dtype if layout is not None else "<f8",
                 batch_size=batch_size,
                 shuffle=shuffle,
                 seed=seed,
-                optimizer=optimizer,
-                sync_shards=mode == "sync",
+                sync=mode == "sync",
+                staleness_steps=staleness_steps,
+                eval=evaluation,
+            )
+            worker = Worker(grad_fn=grad_fn, plan=plan, optimizer=optimizer)
+            parts_uri = checkpoint.path.rstrip("/") + "/ps" if checkpoint is not None else None
+            coordinator = Epochs(
+                epochs,
+                tol,
+                optimizer,
+                shard_names=shard_names,
+                parts_uri=parts_uri,
+                keep_parts=(checkpoint.keep_last + 1) if checkpoint is not None else 0,
+                metrics=metrics,
+                patience=patience,
             )
             body = IterationBody(
                 partition=worker,
-                coordinator=_Epochs(epochs, tol, optimizer),
-                criteria=True if tol is not None else None,  # else epochs (max_epochs) ends it
+                coordinator=coordinator,
+                # else epochs (max_epochs) ends it
+                criteria=True if tol is not None or patience is not None else None,
             )
             scalar = [c for c in names if c not in widths and column_kind(_type(df, c)) == "scalar"]
-            stream = DataStream(df.select(*names), numeric_columns=tuple(scalar) or None)
-            config = IterationConfig(
-                staleness=iteration_staleness,
-                max_epochs=epochs,
-                parallelism=n,
-                progress=progress,
-                name=name or f"ps[{mode}]",
-            )
+            streams = [DataStream(df.select(*names, *csr), numeric_columns=tuple(scalar) or None)]
+            if evaluation is not None:
+                streams.append(DataStream(eval_df.select(*evaluation.columns)))
             result = iterate_bounded_streams_until_termination(
-                {"epoch": 0}, ReplayableDataStreamList.not_replay(stream), config, body
+                {"epoch": 0}, ReplayableDataStreamList.not_replay(*streams), config, body
             )
-            values = ray.get([s.values.remote() for s in shards])
-            info = ray.get([s.info.remote() for s in shards])
-            return result, values, info
+            values = _get([s.values.remote() for s in shards])
+            info = _get([s.info.remote(10) for s in shards])
+            model = made.model(values)
         except WorkerDiedError:
             raise  # relaunched from ``init`` below: nothing of this launch is kept
         except IterationFailedError as ex:
             # what the shards applied before the failure is kept, not lost with them
-            failed = TrainFailedError(ex.message, ex.failures, _salvage(layout, shards))
+            model = made.salvage()
+            failed = TrainFailedError(ex.message, ex.failures, model.params if model else None)
             raise failed.with_traceback(ex.__traceback__) from ex.__cause__
         finally:
-            stop_shards(shards)
+            if model is None or not model.tables:
+                stop_shards(shards)  # a dense model is all on the driver now
+        return TrainResult(model.params, result, info, model)
 
-    result, values, info = relaunch_if_worker_died("ps.train", run_once)
-    return TrainResult(_params(layout, values), result, info)
+    if checkpoint is not None:
+        return run_once()  # the iteration relaunches from its checkpoints itself
+    return relaunch_if_worker_died("ps.train", run_once)
 
 
-def _params(layout: Layout, values: Sequence[np.ndarray]) -> Any:
-    """The shards' values as fresh arrays in ``init``'s structure."""
-    final = np.concatenate(values) if len(values) > 1 else np.array(values[0])
-    params = layout.unflatten(final)
-    if isinstance(params, dict):
-        return {k: np.array(v) for k, v in params.items()}
-    return np.array(params)
+def _get(calls: list[Any], timeout: float | None = None) -> list[Any]:
+    import ray
+
+    return list(ray.get(calls, timeout=timeout))
+
+
+@dataclass
+class _Made:
+    """What the model is built from once the run ends (or fails)."""
+
+    layout: Layout | None
+    specs: Sequence[TableSpec]
+    key_cols: Mapping[str, tuple[str, ...]]
+    shard_names: list[str]
+    shards: list[Any]
+    held: list[Any]
+    predict_fn: Any
+    names: Sequence[str]
+    widths: Mapping[str, int]
+    csr: Sequence[str]
+    address: str
+
+    def model(self, values: Sequence[np.ndarray]) -> Model:
+        """The trained model: the dense values gathered (fresh arrays), the tables left
+        on the shards (which the model then owns; without tables they are stopped)."""
+        final = np.concatenate(values) if len(values) > 1 else np.array(values[0])
+        tables = [_TableMeta(s.name, s.dim, s.init, self.key_cols[s.name]) for s in self.specs]
+        token = _get([self.shards[0].hello.remote()])[0][0] if tables else None
+        return Model(
+            layout=self.layout,
+            dense=final,
+            tables=tables,
+            shard_names=self.shard_names if tables else (),
+            handles=self.shards if tables else (),
+            token=token,
+            predict_fn=self.predict_fn,
+            columns=self.names,
+            vector_widths=self.widths,
+            csr_columns=self.csr,
+            ray_address=self.address,
+            held=self.held,
+        )
+
+    def salvage(self) -> Model | None:
+        """The model as the shards hold it now, or None when one cannot be read."""
+        if not self.shards:
+            return None
+        try:
+            values = _get([s.values.remote() for s in self.shards], timeout=_SALVAGE_TIMEOUT)
+            return self.model(values)
+        except Exception:  # a shard lost with the failure: the error itself says what failed
+            return None
 
 
 #: seconds to read the shards after a failure (a lost shard must not hang the error)
 _SALVAGE_TIMEOUT = 60.0
-
-
-def _salvage(layout: Layout, shards: Sequence[Any]) -> Any:
-    """The parameters the shards hold now, or None when one cannot be read."""
-    import ray
-
-    try:
-        return _params(
-            layout, ray.get([s.values.remote() for s in shards], timeout=_SALVAGE_TIMEOUT)
-        )
-    except Exception:  # a shard lost with the failure: the error itself says what failed
-        return None
 
 
 def launch_shards(
@@ -603,17 +707,44 @@ def launch_shards(
     num_workers: int,
     sync: bool,
 ) -> tuple[list[str], list[Any]]:
-    """Start one shard actor per key range ``[bounds[i], bounds[i + 1])`` (driver; Ray
-    must be connected); returns their names and handles once every one is up."""
+    """Start one shard actor per key range ``[bounds[i], bounds[i + 1])`` of a dense
+    model (driver; Ray must be connected); returns their names and handles once every
+    one is up."""
+    names, handles, _ = _launch(flat, bounds, optimizer, num_workers=num_workers, sync=sync)
+    return names, handles
+
+
+def _launch(
+    flat: np.ndarray,
+    bounds: Sequence[int],
+    optimizer: Optimizer,
+    *,
+    num_workers: int,
+    sync: bool,
+    tables: Sequence[TableSpec] = (),
+    staleness_steps: int | None = None,
+    max_restarts: int = 0,
+    key: bytes = b"",
+    label: str = "train",
+) -> tuple[list[str], list[Any], list[Any]]:
+    """``launch_shards`` with tables, a step staleness bound, restarts (then the third
+    item holds the creation arguments, to keep while Ray may restart a shard) and the
+    checkpoint key."""
     import ray
 
     run_id = uuid.uuid4().hex[:12]
     # sync mode: an asyncio actor whose pulls wait for a step; async mode: a plain actor,
     # one call at a time with no event loop in between (nothing ever waits there)
-    concurrency = max(1000, 4 * num_workers + 16) if sync else 1
-    shard_cls = actor_class(shard_class(sync), max_concurrency=concurrency)
-    names = [f"hybrid_iter.ps.{run_id}.shard{i}" for i in range(len(bounds) - 1)]
+    waits = sync or staleness_steps is not None
+    concurrency = max(1000, 4 * num_workers + 16) if waits else 1
+    shard_cls = actor_class(
+        shard_class(sync, staleness_steps), max_concurrency=concurrency, max_restarts=max_restarts
+    )
+    # the run's name in the actors' names: findable by it (dashboard, state API)
+    tag = "".join(c if c.isalnum() or c in "-_" else "_" for c in label)[:40] or "train"
+    names = [f"hybrid_iter.ps.{tag}.{run_id}.shard{i}" for i in range(len(bounds) - 1)]
     handles: list[Any] = []
+    held: list[Any] = []
     try:
         for i, name in enumerate(names):
             lo, hi = bounds[i], bounds[i + 1]
@@ -626,13 +757,53 @@ def launch_shards(
                 rule_params=optimizer.rule_params(),
                 num_workers=num_workers,
                 sync=sync,
+                tables=tuple(tables),
+                num_shards=len(names),
+                token=run_id,
+                staleness_steps=staleness_steps,
+                run_id=run_id,
+                key=key,
             )
-            handles.append(launch(shard_cls, name, spec))
+            if max_restarts:
+                launched = launch_held(shard_cls, name, spec)
+                handles.append(launched.handle)
+                held.append(launched)
+            else:
+                handles.append(launch(shard_cls, name, spec))
         ray.get([h.info.remote() for h in handles])  # started (a bad spec fails here)
     except BaseException:
         stop_shards(handles)
         raise
-    return names, handles
+    return names, handles, held
+
+
+def launch_table_shards(
+    tables: Sequence[TableSpec], num_shards: int
+) -> tuple[str, list[str], list[Any], str]:
+    """Shards holding only ``tables`` (a loaded model; driver, in a Session): the Ray
+    address, their names, handles and fencing token."""
+    from .._session import Session
+
+    session = Session.current()
+    if session is None:
+        import ray
+
+        if not ray.is_initialized():
+            raise IterationConfigError(
+                "ps.load needs Ray: run it inside `with hybrid_iter.Session.local():` (or "
+                "another Session)"
+            )
+        address = ray.get_runtime_context().gcs_address
+    else:
+        address = session.ray_address
+        from .._runtime.ray_util import connect
+
+        connect(address, namespace=NAMESPACE)
+    names, handles, _ = _launch(
+        np.zeros(0), [0] * (num_shards + 1), SGD(1.0), num_workers=1, sync=False, tables=tables
+    )
+    token = _get([handles[0].hello.remote()])[0][0]
+    return address, names, handles, token
 
 
 def stop_shards(handles: Sequence[Any]) -> None:

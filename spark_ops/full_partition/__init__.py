@@ -42,8 +42,10 @@ user's own modules must be importable on the executors (``--py-files``, ``addPyF
 
 Partitions: every partition Spark runs gives its result, an empty one included (Spark
 calls the function with an empty iterator). A DataFrame that the optimizer proves empty
-as a whole (``filter(lit(False))``, ``limit(0)``; under adaptive execution, a shuffle
-whose output is entirely empty) has no partitions at run time, so it gives no results.
+as a whole (``filter(lit(False))``, ``limit(0)``; under adaptive execution on Spark 3.5,
+a shuffle whose output is entirely empty) has no partitions at run time, so it gives no
+results. Spark 4's adaptive execution keeps an empty shuffle's partitions: each gives its
+(empty) result.
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ def _output_schema(schema: Any, what: str) -> tuple[StructType, bool]:
 
 
 def _arrow(schema: StructType, what: str) -> pa.Schema:
-    from pyspark.sql.pandas.types import to_arrow_schema
+    from .._spark_compat import to_arrow_schema
 
     try:
         return to_arrow_schema(schema)

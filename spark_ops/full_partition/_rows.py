@@ -4,7 +4,8 @@ Runs in Spark tasks. Rows look exactly like the ones ``df.collect()`` returns: a
 ``pyspark.sql.Row`` per record with its field names (``row.x``, ``row["x"]``,
 ``row[0]``), structs as nested Rows, maps as dicts, arrays as lists, ``TimestampType``
 as naive local datetimes (``TimestampNTZType`` naive as stored), decimals as
-``Decimal``, day-time intervals as ``timedelta``, binary as ``bytearray``.
+``Decimal``, day-time intervals as ``timedelta``, binary as ``bytes`` (Spark >= 4.1) or
+``bytearray`` (before; ``_spark_compat.python_binary_type``).
 
 Records going out (what ``map_partition`` functions yield, ``aggregate`` results,
 ``reduce`` results) may be a Row, a tuple or list (by position), a dict (by name,
@@ -99,6 +100,10 @@ def _reader(t: pa.DataType) -> _Convert:
     if not _needs_conversion(t):
         return pa.Array.to_pylist
     if _is_binary(t):
+        from .._spark_compat import python_binary_type
+
+        if python_binary_type() is bytes:
+            return pa.Array.to_pylist  # pyarrow's own: bytes
 
         def binaries(arr: pa.Array) -> list:
             return [None if v is None else bytearray(v) for v in arr.to_pylist()]

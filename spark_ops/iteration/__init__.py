@@ -8,6 +8,7 @@ from .barrier import (
     ReplayPlan,
     available_task_slots,
     exact_num_partitions,
+    hold_task_slots,
     num_partitions,
 )
 from .cached import CachedSource, cached_source, persisted_rdd_ids
@@ -25,6 +26,7 @@ __all__ = [
     "cached_source",
     "column_to_numpy",
     "exact_num_partitions",
+    "hold_task_slots",
     "is_numeric_arrow_type",
     "num_partitions",
     "persisted_rdd_ids",

@@ -11,8 +11,14 @@ subtask, each read once.
 * Several streams (co-partitioned per subtask): partition ``j`` of every stream goes to
   subtask ``j % n``. Each stream's batches are framed as Arrow IPC in a ``mapInArrow``,
   keyed by the stream's own partition index, shuffled with an exact partitioner and
-  sorted by (subtask, stream, source partition, batch), then a barrier
-  ``mapPartitions`` decodes them, so a subtask sees its batches in a fixed order.
+  sorted by (subtask, stream, source partition, batch), then a barrier task decodes
+  them, so a subtask sees its batches in a fixed order. Two ways, the same order:
+  DataFrame operations on Spark >= 4.1 (the index from ``spark_partition_id()`` taken
+  below the union, ``repartitionById``, ``sortWithinPartitions``, a barrier
+  ``mapInArrow``; what a Spark Connect client can also run), RDD operations before
+  (``mapPartitionsWithIndex``, ``repartitionAndSortWithinPartitions``, a barrier
+  ``mapPartitions``). ``ReplayPlan`` persists the framed streams the same way
+  (``DataFrame.persist`` or ``RDD.persist``).
 """
 
 from __future__ import annotations
@@ -23,22 +29,74 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from .. import _spark_compat
+
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["BarrierStage", "ReplayPlan", "available_task_slots", "num_partitions"]
+__all__ = [
+    "BarrierStage",
+    "ReplayPlan",
+    "available_task_slots",
+    "hold_task_slots",
+    "num_partitions",
+]
 
 TaskFn = Callable[[int, Iterator[tuple[int, pa.RecordBatch]]], bytes]
 
 _RESULT_SCHEMA = "result binary"
 _FRAMED_SCHEMA = "payload binary"
+#: the DataFrame path's framed rows: where each batch goes and its place in the order
+_KEYED_SCHEMA = "subtask int, stream int, source int, seq long, payload binary"
+_ORDER = ("stream", "source", "seq")
+#: the stream's own partition index, a column put first below the union
+_SOURCE = "__hybrid_iter_source_partition"
+_PATHS = ("dataframe", "rdd")
+
+
+def _choose_paths(streams: Sequence[DataFrame], paths: str | None) -> str:
+    if paths is None:
+        spark = streams[0].sparkSession
+        return "dataframe" if _spark_compat.dataframe_barrier_paths(spark) else "rdd"
+    if paths not in _PATHS:
+        raise ValueError(f"paths must be one of {_PATHS} or None, got {paths!r}")
+    if paths == "dataframe" and not hasattr(streams[0], "repartitionById"):
+        raise ValueError(
+            f"the DataFrame path needs DataFrame.repartitionById (Spark >= 4.1), "
+            f"not in PySpark {_spark_compat.spark_version_string()}"
+        )
+    return paths
+
+
+#: application id -> how many of its task slots long-running tasks that are not ours
+#: hold (Ray on Spark's worker nodes, registered by ``hybrid_iter.Session.on_spark``)
+_HELD_SLOTS: dict[str, Callable[[], int]] = {}
+
+
+def hold_task_slots(
+    spark: SparkSession, held: Callable[[], int] | None
+) -> Callable[[], int] | None:
+    """Declare that ``held()`` of ``spark``'s task slots are taken by tasks that run for
+    the application's life (``None``: none any more); returns the declaration it
+    replaces. ``available_task_slots`` then counts only the others, before every barrier
+    stage; ``held`` may raise to refuse one (it runs on the driver, before any job)."""
+    app = _app_id(spark)
+    previous = _HELD_SLOTS.pop(app, None)
+    if held is not None:
+        _HELD_SLOTS[app] = held
+    return previous
 
 
 def available_task_slots(spark: SparkSession) -> int:
-    """How many tasks can run at once right now (what a barrier stage may use)."""
-    jsc = spark.sparkContext._jsc.sc()
-    profile = jsc.resourceProfileManager().defaultResourceProfile()
-    return int(jsc.maxNumConcurrentTasks(profile))
+    """How many tasks can run at once right now (what a barrier stage may use): every
+    slot of the executors but those ``hold_task_slots`` declared held."""
+    total = _spark_compat.available_task_slots(spark)
+    held = None if _spark_compat.is_connect(spark) else _HELD_SLOTS.get(_app_id(spark))
+    return total if held is None else max(0, total - held())
+
+
+def _app_id(spark: SparkSession) -> str:
+    return str(spark.sparkContext.applicationId)
 
 
 def num_partitions(df: DataFrame) -> int | None:
@@ -46,7 +104,7 @@ def num_partitions(df: DataFrame) -> int | None:
     the driver, for validation.
 
     Without a shuffle the plan's RDD is built without a job. With a shuffle, adaptive
-    query execution (Spark 3.5's default) would run the shuffle-map stages to build the
+    query execution (Spark's default) would run the shuffle-map stages to build the
     RDD, so the count is read from the plan instead: exact for ``repartition(n)``; for a
     shuffle Spark inserted itself (``groupBy``, a join) it is the planned count, which
     adaptive execution may still coalesce. ``None`` when the plan cannot tell without
@@ -55,29 +113,20 @@ def num_partitions(df: DataFrame) -> int | None:
     exact = exact_num_partitions(df)
     if exact is not None:
         return exact
-    plan = df._jdf.queryExecution().executedPlan()
-    partitioning = plan.inputPlan().outputPartitioning()
-    if partitioning.getClass().getSimpleName() == "UnknownPartitioning":
-        return None
-    return int(partitioning.numPartitions())
+    return _spark_compat.planned_num_partitions(df)
 
 
 def exact_num_partitions(df: DataFrame) -> int | None:
     """The partition count the DataFrame's tasks will have when the plan can tell
     without running a Spark job (no adaptive shuffle still to run), else None. Runs on
     the driver; the count is what ``BarrierStage(..., partitions=)`` takes."""
-    plan = df._jdf.queryExecution().executedPlan()
-    if plan.getClass().getSimpleName() != "AdaptiveSparkPlanExec":
-        return int(df._jdf.rdd().getNumPartitions())
-    if plan.isFinalPlan():  # already executed: its RDD exists
-        return int(plan.execute().getNumPartitions())
-    return None
+    return _spark_compat.exact_num_partitions(df)
 
 
 def _exact_num_partitions(df: DataFrame) -> int:
     """The partition count the DataFrame's tasks will have. Under adaptive execution this
     runs the shuffle-map stages first: call it only once validation is over."""
-    return int(df._jdf.rdd().getNumPartitions())
+    return _spark_compat.rdd_num_partitions(df)
 
 
 def _single_stream_fn(
@@ -139,6 +188,94 @@ def _multi_stream_fn(task: TaskFn) -> Callable[[Iterator[tuple]], Iterator[bytes
     return run
 
 
+def _one_binary(buffer: pa.Buffer) -> pa.Array:
+    """A one-element binary array over ``buffer`` (no copy)."""
+    offsets = pa.array([0, buffer.size], pa.int32()).buffers()[1]
+    return pa.Array.from_buffers(pa.binary(), 1, [None, offsets, buffer])
+
+
+def _keyed_frame_fn(stream: int, n: int) -> Callable[[Iterable[pa.RecordBatch]], Iterator]:
+    """Frame one stream's batches (the DataFrame path): its first column is the stream's
+    own partition index (``spark_partition_id()`` evaluated below the union, so it counts
+    this stream's partitions only); the rest is the data, framed as Arrow IPC."""
+
+    def frame(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        seq = 0
+        for b in batches:
+            if b.num_rows == 0:
+                continue
+            source = int(b.column(0)[0].as_py())
+            data = b.select(list(range(1, b.num_columns)))
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, data.schema) as writer:
+                writer.write_batch(data)
+            yield pa.RecordBatch.from_arrays(
+                [
+                    pa.array([source % n], pa.int32()),
+                    pa.array([stream], pa.int32()),
+                    pa.array([source], pa.int32()),
+                    pa.array([seq], pa.int64()),
+                    _one_binary(sink.getvalue()),
+                ],
+                names=["subtask", "stream", "source", "seq", "payload"],
+            )
+            seq += 1
+
+    return frame
+
+
+def _multi_stream_arrow_fn(
+    task: TaskFn,
+) -> Callable[[Iterable[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The barrier task of the DataFrame path: decode the framed rows in their order."""
+
+    def run(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import BarrierTaskContext
+
+        pid = BarrierTaskContext.get().partitionId()
+
+        def inputs() -> Iterator[tuple[int, pa.RecordBatch]]:
+            for b in batches:
+                streams = b.column("stream").to_pylist()
+                payloads = b.column("payload")
+                for k, stream in enumerate(streams):
+                    reader = pa.ipc.open_stream(payloads[k].as_buffer())
+                    yield stream, reader.read_next_batch()
+
+        result = task(pid, inputs())
+        yield pa.RecordBatch.from_pydict(
+            {"result": [result]}, schema=pa.schema([("result", pa.binary())])
+        )
+
+    return run
+
+
+def _framed(streams: Sequence[DataFrame], indices: Sequence[int], n: int) -> DataFrame:
+    """The streams ``indices`` framed (DataFrame path), one row per batch, unshuffled."""
+    from pyspark.sql import functions as F
+
+    framed = [
+        streams[i]
+        .select(F.spark_partition_id().alias(_SOURCE), "*")
+        .mapInArrow(_keyed_frame_fn(i, n), _KEYED_SCHEMA)
+        for i in indices
+    ]
+    union = framed[0]
+    for other in framed[1:]:
+        union = union.unionByName(other)
+    return union
+
+
+def _to_subtasks_df(frame: DataFrame, n: int) -> DataFrame:
+    """Framed rows shuffled to their subtask (partition ``p`` = subtask ``p``) in order."""
+    return frame.repartitionById(n, "subtask").sortWithinPartitions(*_ORDER)
+
+
+def _collect_results(df: DataFrame, task: TaskFn) -> list[bytes]:
+    rows = df.mapInArrow(_multi_stream_arrow_fn(task), _RESULT_SCHEMA, barrier=True).collect()
+    return [r[0] for r in rows]
+
+
 class BarrierStage:
     """A barrier stage over ``streams`` with ``num_subtasks`` tasks; ``run()`` collects.
     ``partitions``: the one stream's partition count when the caller knows it exactly
@@ -151,6 +288,7 @@ class BarrierStage:
         task: TaskFn,
         *,
         partitions: int | None = None,
+        paths: str | None = None,
     ) -> None:
         if not streams:
             raise ValueError("a barrier stage needs at least one DataFrame")
@@ -161,6 +299,8 @@ class BarrierStage:
         self.task = task
         self.partitions = partitions
         self.repartitioned = False
+        #: how several streams reach their subtasks: "dataframe" (Spark >= 4.1) or "rdd"
+        self.paths = _choose_paths(self.streams, paths)
 
     def run(self) -> list[bytes]:
         if len(self.streams) == 1:
@@ -187,8 +327,12 @@ class BarrierStage:
         return [r[0] for r in rows]
 
     def _run_multi(self) -> list[bytes]:
-        shuffled = _to_subtasks(self.streams, range(len(self.streams)), self.num_subtasks)
+        n = self.num_subtasks
         self.repartitioned = True
+        if self.paths == "dataframe":
+            frame = _framed(self.streams, range(len(self.streams)), n)
+            return _collect_results(_to_subtasks_df(frame, n), self.task)
+        shuffled = _to_subtasks(self.streams, range(len(self.streams)), n)
         return list(shuffled.barrier().mapPartitions(_multi_stream_fn(self.task)).collect())
 
 
@@ -209,18 +353,27 @@ class ReplayPlan:
     """Replayed streams, framed per subtask and persisted ``MEMORY_AND_DISK``: Spark's cache
     is the replay buffer (memory first, disk beyond it, so data larger than memory still
     replays). ``run_round(e, task)`` runs round ``e`` as one barrier job: round 0 reads the
-    not-replayed streams too (partitioned the same way, so the union needs no shuffle of
-    the cache), later rounds only the cache.
+    not-replayed streams too (after the cache's batches), later rounds only the cache. On
+    the RDD path the two are partitioned alike, so their union needs no shuffle of the
+    cache; on the DataFrame path (Spark >= 4.1, whose union concatenates partitions)
+    round 0 shuffles the cache beside the not-replayed streams once.
     """
 
     def __init__(
-        self, streams: Sequence[DataFrame], replayed: Sequence[bool], num_subtasks: int
+        self,
+        streams: Sequence[DataFrame],
+        replayed: Sequence[bool],
+        num_subtasks: int,
+        *,
+        paths: str | None = None,
     ) -> None:
         if len(streams) != len(replayed) or not any(replayed):
             raise ValueError("a ReplayPlan needs at least one replayed stream")
         self.streams = list(streams)
         self.replayed = list(replayed)
         self.num_subtasks = num_subtasks
+        #: "dataframe" (DataFrame.persist, Spark >= 4.1) or "rdd" (RDD.persist)
+        self.paths = _choose_paths(self.streams, paths)
         self._cache: Any = None
         #: where the replay cache lives once prepared (Spark's storage info)
         self.memory_bytes = 0
@@ -231,29 +384,52 @@ class ReplayPlan:
         from pyspark import StorageLevel
 
         indices = [i for i, r in enumerate(self.replayed) if r]
-        self._cache = _to_subtasks(self.streams, indices, self.num_subtasks).persist(
-            StorageLevel.MEMORY_AND_DISK
-        )
+        n = self.num_subtasks
+        spark = self.streams[0].sparkSession
+        if self.paths == "dataframe":
+            self._cache = _to_subtasks_df(_framed(self.streams, indices, n), n).persist(
+                StorageLevel.MEMORY_AND_DISK
+            )
+            batches = int(self._cache.count())
+            if not _spark_compat.is_connect(spark):
+                found = _spark_compat.cached_relation(self._cache.select("*"))
+                if found is not None:
+                    self.memory_bytes, self.disk_bytes = _spark_compat.rdd_storage(spark, found[0])
+            return batches
+        self._cache = _to_subtasks(self.streams, indices, n).persist(StorageLevel.MEMORY_AND_DISK)
         batches = int(self._cache.count())
-        jsc = self.streams[0].sparkSession.sparkContext._jsc.sc()
-        for info in jsc.getRDDStorageInfo():
-            if info.id() == self._cache.id():
-                self.memory_bytes, self.disk_bytes = int(info.memSize()), int(info.diskSize())
+        self.memory_bytes, self.disk_bytes = _spark_compat.rdd_storage(spark, self._cache.id())
         return batches
 
     @property
     def storage_level(self) -> Any:
-        return self._cache.getStorageLevel() if self._cache is not None else None
+        if self._cache is None:
+            return None
+        if self.paths == "dataframe":
+            return self._cache.storageLevel
+        return self._cache.getStorageLevel()
 
     def run_round(self, round_: int, task: RoundTaskFn) -> list[bytes]:
         if self._cache is None:
             raise RuntimeError("ReplayPlan.prepare() must run before the first round")
-        rdd = self._cache
         once = [i for i, r in enumerate(self.replayed) if not r]
+        n = self.num_subtasks
+        round_task = functools.partial(task, round_)
+        if self.paths == "dataframe":
+            df = self._cache
+            if round_ == 0 and once:
+                from pyspark.sql import functions as F
+
+                # the order of the RDD path's union: the cache's batches, then the others'
+                both = df.unionByName(_framed(self.streams, once, n))
+                df = both.repartitionById(n, "subtask").sortWithinPartitions(
+                    F.col("stream").isin(once), *_ORDER
+                )
+            return _collect_results(df, round_task)
+        rdd = self._cache
         if round_ == 0 and once:
-            rdd = rdd.union(_to_subtasks(self.streams, once, self.num_subtasks))
-        fn = _multi_stream_fn(functools.partial(task, round_))
-        return list(rdd.barrier().mapPartitions(fn).collect())
+            rdd = rdd.union(_to_subtasks(self.streams, once, n))
+        return list(rdd.barrier().mapPartitions(_multi_stream_fn(round_task)).collect())
 
     def close(self) -> None:
         if self._cache is not None:

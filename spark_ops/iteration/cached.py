@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _spark_compat
+
 __all__ = ["CachedSource", "cached_source", "persisted_rdd_ids"]
 
 
@@ -34,50 +36,23 @@ class CachedSource:
     num_partitions: int
 
 
-def _seq(s: Any) -> list[Any]:
-    return [s.apply(i) for i in range(s.length())]
-
-
 def cached_source(df: Any) -> CachedSource | None:
     """The cached data ``df`` reads unchanged, or None (not cached, or computed on).
 
     ``df``'s plan is optimized once, when first needed: ask a DataFrame made for the
     question (``df.select(...)``), not one used before the cache changed."""
-    try:
-        plan = df._jdf.queryExecution().optimizedPlan()
-        kind = plan.getClass().getSimpleName()
-        if kind == "Project":
-            relation = plan.child()
-            items = _seq(plan.projectList())
-        elif kind == "InMemoryRelation":
-            relation, items = plan, None
-        else:
-            return None
-        if relation.getClass().getSimpleName() != "InMemoryRelation":
-            return None
-        output = [a.exprId().id() for a in _seq(relation.output())]
-        if items is None:
-            ordinals = tuple(range(len(output)))
-        else:
-            if any(i.getClass().getSimpleName() != "AttributeReference" for i in items):
-                return None  # an expression or an alias: computed on the cached rows
-            where = {e: k for k, e in enumerate(output)}
-            ids = [i.exprId().id() for i in items]
-            if any(e not in where for e in ids):
-                return None
-            ordinals = tuple(where[e] for e in ids)
-        rdd = relation.cacheBuilder().cachedColumnBuffers()  # defines the RDD, no job
-        return CachedSource(
-            app_id=str(df.sparkSession.sparkContext.applicationId),
-            rdd_id=int(rdd.id()),
-            ordinals=ordinals,
-            num_partitions=int(rdd.getNumPartitions()),
-        )
-    except Exception:  # a plan shape this Spark version builds differently: not cached
+    found = _spark_compat.cached_relation(df)
+    if found is None:
         return None
+    rdd_id, ordinals, partitions = found
+    return CachedSource(
+        app_id=str(df.sparkSession.sparkContext.applicationId),
+        rdd_id=rdd_id,
+        ordinals=ordinals,
+        num_partitions=partitions,
+    )
 
 
 def persisted_rdd_ids(spark: Any) -> frozenset[int]:
     """The ids of the RDDs the application keeps persisted now (driver, no job)."""
-    keys = spark.sparkContext._jsc.getPersistentRDDs().keySet().toArray()
-    return frozenset(int(k) for k in keys)
+    return _spark_compat.persisted_rdd_ids(spark)

@@ -315,9 +315,9 @@ class LocalKeyedView:
         by: str | None = None,
     ) -> LocalAggregation:
         import pyarrow as pa
-        from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_type
         from pyspark.sql.types import StructField, StructType
 
+        from .._spark_compat import from_arrow_schema, to_arrow_type
         from . import _kernels as K
         from ._tasks import Plan
 
@@ -757,17 +757,11 @@ class LocalAggregation:
     def to_dict(self) -> dict[Any, Any]:
         """Run the aggregation and return {key: result} (a tuple key for several key
         columns). Bounded only."""
-        import pyarrow as pa
+        from .._spark_compat import collect_arrow
 
         self._bounded_only("to_dict()")
-        collect_as_arrow = getattr(self.df, "_collect_as_arrow", None)
-        if collect_as_arrow is not None:  # Arrow all the way: 10x faster than Rows
-            batches = collect_as_arrow()
-            table = pa.Table.from_batches(batches) if batches else None
-            cols = [] if table is None else [c.to_pylist() for c in table.columns]
-        else:
-            rows = self.df.collect()
-            cols = [list(c) for c in zip(*rows)] if rows else []
+        table = collect_arrow(self.df)  # Arrow all the way: 10x faster than Rows
+        cols = [c.to_pylist() for c in table.columns] if table.num_rows else []
         self._collected = True
         if not cols:
             return {}
@@ -796,11 +790,11 @@ class LocalAggregation:
     def metrics_from(self, progress: Any) -> LocalAggMetrics | None:
         """The metrics of a micro-batch, from a ``StreamingQuery`` (its last progress) or a
         progress dict. None when that batch had no data."""
+        from .._spark_compat import observed_metrics
+
         if hasattr(progress, "lastProgress"):
             progress = progress.lastProgress
-        if progress is None:
-            return None
-        observed = (progress.get("observedMetrics") or {}).get(self.observed_name)
+        observed = observed_metrics(progress, self.observed_name)
         if not observed:
             return None
         return LocalAggMetrics(

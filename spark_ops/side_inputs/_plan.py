@@ -261,7 +261,7 @@ def check_main(
 
 def make_plan(main: DataFrame, spec: MainSpec, op: str, fn: Any, schema: Any) -> tuple[OpPlan, Any]:
     """The task plan and the Spark output schema of ``op`` (checked, no job)."""
-    from pyspark.sql.pandas.types import to_arrow_schema
+    from .._spark_compat import to_arrow_schema
 
     check_fn(fn, op)
     if op == "filter":

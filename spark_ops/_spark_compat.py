@@ -1,0 +1,498 @@
+"""What differs between the Spark lines this project runs on, and every use of Spark's
+JVM internals, in one place (driver side unless a function says otherwise).
+
+Supported: the 3.5 line (what RayDP 1.6.5 runs on) and 4.0 to 4.3. A new Spark release
+is a change here: its version in ``SUPPORTED``, and whatever below reads the JVM
+differently. Nothing else in ``hybrid_iter`` or ``spark_ops`` touches ``_jdf``,
+``_jsc``, ``_jvm``, the py4j gateway, query plans or RDD storage info
+(``tests/test_layout.py`` checks it).
+
+* Versions: ``spark_version()``, ``check_spark_version()`` (an unsupported Spark is an
+  ``UnsupportedSparkVersion`` naming it and the fix), ``raydp_problem()`` (why RayDP
+  cannot run here, or None), ``dataframe_barrier_paths(spark)`` (Spark >= 4.1 can route
+  a barrier stage's streams by DataFrame operations alone).
+* Sessions: ``is_connect(spark)`` (a Spark Connect client has no JVM in this process).
+* Jobs: ``JobTag`` tags the Spark jobs a thread starts and cancels them from any thread:
+  ``SparkContext`` job tags on classic Spark (3.5 and 4.x; they also reach RDD jobs),
+  session tags (``addTag`` / ``interruptTag``) on Spark Connect.
+* Types: ``to_arrow_schema`` / ``to_arrow_type`` (Spark 4 wants a time zone for
+  ``TimestampType``; Spark 3.5 always used UTC), ``observed_metrics`` (a streaming
+  progress' observed metrics: dicts on 3.5, ``Row``s on 4.x), ``collect_arrow``.
+* JVM internals: task slots, planned partition counts, cached relations and persisted
+  RDDs, RDD storage sizes, a streaming file source's options, executor hosts, the
+  process' JVM (a running SparkContext, a class on its classpath, its pid).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from ._errors import SparkOpsError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import DataFrame, SparkSession
+
+__all__ = [
+    "SUPPORTED",
+    "JobTag",
+    "UnsupportedSparkVersion",
+    "check_spark_version",
+    "spark_version",
+]
+
+#: (major, minor) lines supported; a patch release of one of them is supported.
+SUPPORTED: tuple[tuple[int, int], ...] = ((3, 5), (4, 0), (4, 1), (4, 2), (4, 3))
+#: RayDP releases Session.raydp runs on: [low, high), and the Spark line they need.
+RAYDP_RANGE = ((1, 6, 5), (1, 7))
+RAYDP_SPARK = (3, 5)
+RAYDP_INSTALL = "pip install 'hybrid-iter[raydp]'"
+_SPARK_INSTALL = "pip install 'pyspark>=3.5,<4.4'"
+
+
+class UnsupportedSparkVersion(SparkOpsError, RuntimeError):
+    """The installed PySpark is outside the supported lines (the message names it and
+    the fix); raised before any Spark job."""
+
+
+def _parse(version: str) -> tuple[int, int, int]:
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if m is None:
+        return (0, 0, 0)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+
+
+@functools.cache
+def spark_version_string() -> str:
+    """The PySpark version of this process (``pyspark.__version__``)."""
+    from pyspark.version import __version__
+
+    return str(__version__)
+
+
+def spark_version() -> tuple[int, int, int]:
+    """(major, minor, patch) of the PySpark of this process."""
+    return _parse(spark_version_string())
+
+
+def _lines() -> str:
+    return ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED)
+
+
+def check_spark_version(version: str | None = None) -> None:
+    """Raise ``UnsupportedSparkVersion`` unless ``version`` (default: this process'
+    PySpark) is on a supported line."""
+    text = spark_version_string() if version is None else version
+    if _parse(text)[:2] in SUPPORTED:
+        return
+    raise UnsupportedSparkVersion(
+        f"PySpark {text} is not supported: hybrid_iter runs on Spark {_lines()}; install "
+        f"a supported one ({_SPARK_INSTALL}, or {RAYDP_INSTALL} for Spark on Ray)"
+    )
+
+
+def raydp_problem() -> str | None:
+    """Why ``Session.raydp`` cannot run in this process (RayDP missing, a RayDP outside
+    the supported releases, or a Spark line RayDP does not run on), or None. Reads the
+    installed distributions only: RayDP is not imported."""
+    try:
+        found: str | None = importlib.metadata.version("raydp")
+    except importlib.metadata.PackageNotFoundError:
+        found = None
+    return raydp_problem_of(found, spark_version_string())
+
+
+def raydp_problem_of(raydp: str | None, spark: str) -> str | None:
+    """``raydp_problem`` for RayDP version ``raydp`` (None: not installed) beside PySpark
+    ``spark``."""
+    if raydp is None:
+        return f"Session.raydp needs RayDP, which is not installed: {RAYDP_INSTALL}"
+    low, high = RAYDP_RANGE
+    if not low <= _parse(raydp) < (*high, 0):
+        return (
+            f"Session.raydp runs on RayDP >= {'.'.join(map(str, low))}, < "
+            f"{'.'.join(map(str, high))}, but RayDP {raydp} is installed: {RAYDP_INSTALL}"
+        )
+    if _parse(spark)[:2] != RAYDP_SPARK:
+        return (
+            f"RayDP {raydp} runs Spark {RAYDP_SPARK[0]}.{RAYDP_SPARK[1]} only, but this "
+            f"environment has PySpark {spark}; install the raydp extra in its own "
+            f"environment ({RAYDP_INSTALL}, which selects Spark 3.5), or run on Spark "
+            f"{spark} with Session.local, Session.on_spark or Session.attach"
+        )
+    return None
+
+
+def dataframe_barrier_paths(spark: Any) -> bool:
+    """Whether the barrier stage's multi-stream and replay paths run through DataFrame
+    operations (``repartitionById``, Spark >= 4.1) rather than RDDs."""
+    del spark  # the same answer for classic and Connect sessions of one PySpark
+    return spark_version()[:2] >= (4, 1)
+
+
+# -- sessions ------------------------------------------------------------------------------
+
+
+def is_connect(spark: Any) -> bool:
+    """Whether ``spark`` is a Spark Connect client session (no JVM in this process)."""
+    try:
+        from pyspark.sql.connect.session import SparkSession as ConnectSession
+    except ImportError:  # Connect's client dependencies are not installed: not one
+        return False
+    return isinstance(spark, ConnectSession)
+
+
+def is_session(spark: Any) -> bool:
+    """A classic or a Spark Connect ``SparkSession``."""
+    from pyspark.sql import SparkSession
+
+    return isinstance(spark, SparkSession) or is_connect(spark)
+
+
+# -- jobs ----------------------------------------------------------------------------------
+
+
+class JobTag:
+    """One tag on the Spark jobs a thread starts, to cancel them from another thread.
+
+    ``with tag.on_this_thread(): ...`` tags every job the block starts (and asks Spark
+    to interrupt their task threads on cancel); ``tag.cancel()`` (any thread) cancels
+    the tagged jobs still running. Classic Spark: ``SparkContext`` job tags (3.5 and
+    4.x), which reach RDD jobs as well as DataFrame ones. Spark Connect: the session's
+    operation tags (``addTag`` / ``interruptTag``).
+    """
+
+    def __init__(self, spark: Any, tag: str) -> None:
+        if not tag:
+            raise ValueError("a Spark job tag must not be empty")
+        self.spark = spark
+        self.tag = tag.replace(",", "_")  # Spark refuses commas in tags
+        self._connect = is_connect(spark)
+
+    @contextmanager
+    def on_this_thread(self, description: str | None = None) -> Iterator[None]:
+        if self._connect:
+            self.spark.addTag(self.tag)
+            try:
+                yield
+            finally:
+                self.spark.removeTag(self.tag)
+            return
+        sc = self.spark.sparkContext
+        keys = ("spark.job.interruptOnCancel", "spark.job.description")
+        saved = {k: sc.getLocalProperty(k) for k in keys}
+        sc.addJobTag(self.tag)
+        sc.setInterruptOnCancel(True)
+        if description is not None:
+            sc.setJobDescription(description)
+        try:
+            yield
+        finally:
+            sc.removeJobTag(self.tag)
+            for key, value in saved.items():
+                sc.setLocalProperty(key, value)
+
+    def cancel(self) -> None:
+        if self._connect:
+            self.spark.interruptTag(self.tag)
+        else:
+            self.spark.sparkContext.cancelJobsWithTag(self.tag)
+
+
+# -- types ---------------------------------------------------------------------------------
+
+
+def to_arrow_schema(struct: Any) -> pa.Schema:
+    """The Arrow schema Spark exchanges ``struct`` with Python as; ``TimestampType`` as
+    UTC microseconds on every line (Spark 4 asks for the time zone, 3.5 took UTC)."""
+    from pyspark.sql.pandas.types import to_arrow_schema as convert
+
+    if spark_version() >= (4, 0, 0):
+        return convert(struct, timezone="UTC")
+    return convert(struct)
+
+
+def to_arrow_type(data_type: Any) -> pa.DataType:
+    """The Arrow type of one Spark data type (``TimestampType``: UTC, as above)."""
+    from pyspark.sql.pandas.types import to_arrow_type as convert
+
+    if spark_version() >= (4, 0, 0):
+        return convert(data_type, timezone="UTC")
+    return convert(data_type)
+
+
+def from_arrow_schema(schema: pa.Schema) -> Any:
+    """The Spark ``StructType`` of an Arrow schema (a time-zone-less timestamp is
+    ``TimestampNTZType`` on every line)."""
+    from pyspark.sql.pandas.types import from_arrow_schema as convert
+
+    return convert(schema, prefer_timestamp_ntz=True)
+
+
+def python_binary_type() -> type:
+    """What ``df.collect()`` gives a ``BinaryType`` value as (driver and tasks): ``bytes``
+    from Spark 4.1 on (``spark.sql.execution.pyspark.binaryAsBytes``, default true: a
+    session that turns it off is not followed), ``bytearray`` before."""
+    return bytes if spark_version() >= (4, 1, 0) else bytearray
+
+
+def observed_metrics(progress: Any, name: str) -> dict[str, Any] | None:
+    """The observed metrics ``name`` of a streaming progress (a ``StreamingQuery``'s
+    ``lastProgress``, or its dict) as a plain dict; None when absent or empty. Spark 3.5
+    gives dicts, 4.x ``Row``s."""
+    if progress is None:
+        return None
+    observed = progress.get("observedMetrics") if hasattr(progress, "get") else None
+    if not observed:
+        return None
+    metrics = observed.get(name)
+    if not metrics:
+        return None
+    if hasattr(metrics, "asDict"):
+        return dict(metrics.asDict())
+    return dict(metrics)
+
+
+def collect_arrow(df: DataFrame) -> pa.Table:
+    """Run ``df`` and return its rows as one Arrow table (Arrow all the way, no Rows)."""
+    import pyarrow as pa
+
+    frame: Any = df  # typed by whichever PySpark is installed
+    if spark_version() >= (4, 0, 0):  # toArrow: classic and Connect
+        return frame.toArrow()
+    batches = frame._collect_as_arrow()
+    if batches:
+        return pa.Table.from_batches(batches)
+    from pyspark.sql.pandas.types import to_arrow_schema as convert
+
+    return convert(df.schema).empty_table()
+
+
+# -- JVM internals (classic Spark only) ----------------------------------------------------
+
+
+def _jsc(spark: SparkSession) -> Any:
+    if is_connect(spark):
+        raise UnsupportedSparkVersion(
+            "this step reads the Spark driver's JVM, which a Spark Connect client "
+            "session does not have; use a classic SparkSession"
+        )
+    return spark.sparkContext._jsc
+
+
+def available_task_slots(spark: SparkSession) -> int:
+    """How many tasks can run at once right now (what a barrier stage may use)."""
+    jsc = _jsc(spark).sc()
+    profile = jsc.resourceProfileManager().defaultResourceProfile()
+    return int(jsc.maxNumConcurrentTasks(profile))
+
+
+def executor_hosts(spark: SparkSession) -> tuple[list[str], int]:
+    """(the hosts of the driver and every executor, sorted; the executor count)."""
+    sc = _jsc(spark).sc()
+    infos = sc.statusTracker().getExecutorInfos()  # the driver is one of them
+    return sorted(str(e.host()) for e in infos), int(sc.getExecutorIds().size())
+
+
+def executor_statuses(spark: SparkSession) -> list[tuple[str, str, int, int]]:
+    """The live executors, the driver left out, from Spark's status store: (id, host,
+    cores, tasks running now) each."""
+    summaries = _jsc(spark).sc().statusStore().executorList(True)
+    found = []
+    for i in range(summaries.size()):
+        s = summaries.apply(i)
+        if str(s.id()) == "driver":
+            continue
+        host = str(s.hostPort()).rsplit(":", 1)[0].strip("[]")
+        found.append((str(s.id()), host, int(s.totalCores()), int(s.activeTasks())))
+    return found
+
+
+def make_active_session(spark: SparkSession) -> None:
+    """Make ``spark`` the JVM's active SparkSession on this thread."""
+    _jsc(spark)  # a classic session (a Connect one is refused, naming why)
+    jvm = spark.sparkContext._jvm
+    jvm.org.apache.spark.sql.SparkSession.setActiveSession(spark._jsparkSession)
+
+
+def _executed_plan(df: DataFrame) -> Any:
+    return df._jdf.queryExecution().executedPlan()
+
+
+def rdd_num_partitions(df: DataFrame) -> int:
+    """The partition count of ``df``'s RDD. Under adaptive execution with a shuffle this
+    runs the shuffle-map stages first."""
+    return int(df._jdf.rdd().getNumPartitions())
+
+
+def exact_num_partitions(df: DataFrame) -> int | None:
+    """The partition count ``df``'s tasks will have when the plan tells it without a
+    Spark job (no adaptive shuffle still to run), else None."""
+    plan = _executed_plan(df)
+    if plan.getClass().getSimpleName() != "AdaptiveSparkPlanExec":
+        return rdd_num_partitions(df)
+    if plan.isFinalPlan():  # already executed: its RDD exists
+        return int(plan.execute().getNumPartitions())
+    return None
+
+
+def planned_num_partitions(df: DataFrame) -> int | None:
+    """The partition count of the adaptive plan's input partitioning (exact for
+    ``repartition(n)``, the planned count for a shuffle Spark inserted), None when the
+    plan does not know it (``UnknownPartitioning``)."""
+    plan = _executed_plan(df)
+    if plan.getClass().getSimpleName() != "AdaptiveSparkPlanExec":
+        return rdd_num_partitions(df)
+    partitioning = plan.inputPlan().outputPartitioning()
+    if partitioning.getClass().getSimpleName() == "UnknownPartitioning":
+        return None
+    return int(partitioning.numPartitions())
+
+
+def rdd_storage(spark: SparkSession, rdd_id: int) -> tuple[int, int]:
+    """(bytes in memory, bytes on disk) of persisted RDD ``rdd_id``; (0, 0) if unknown."""
+    for info in _jsc(spark).sc().getRDDStorageInfo():
+        if info.id() == rdd_id:
+            return int(info.memSize()), int(info.diskSize())
+    return 0, 0
+
+
+def persisted_rdd_ids(spark: SparkSession) -> frozenset[int]:
+    """The ids of the RDDs the application keeps persisted now (no job)."""
+    keys = _jsc(spark).getPersistentRDDs().keySet().toArray()
+    return frozenset(int(k) for k in keys)
+
+
+def _seq(s: Any) -> list[Any]:
+    return [s.apply(i) for i in range(s.length())]
+
+
+def cached_relation(df: DataFrame) -> tuple[int, tuple[int, ...], int] | None:
+    """(rdd id, column ordinals, partition count) of the cached RDD ``df`` reads
+    unchanged: its optimized plan is Spark's ``InMemoryRelation`` alone or a projection
+    of plain columns of it. None otherwise, and for a plan shape this Spark builds
+    differently. Defines the cached RDD without a job."""
+    try:
+        plan = df._jdf.queryExecution().optimizedPlan()
+        kind = plan.getClass().getSimpleName()
+        if kind == "Project":
+            relation = plan.child()
+            items = _seq(plan.projectList())
+        elif kind == "InMemoryRelation":
+            relation, items = plan, None
+        else:
+            return None
+        if relation.getClass().getSimpleName() != "InMemoryRelation":
+            return None
+        output = [a.exprId().id() for a in _seq(relation.output())]
+        if items is None:
+            ordinals = tuple(range(len(output)))
+        else:
+            if any(i.getClass().getSimpleName() != "AttributeReference" for i in items):
+                return None  # an expression or an alias: computed on the cached rows
+            where = {e: k for k, e in enumerate(output)}
+            ids = [i.exprId().id() for i in items]
+            if any(e not in where for e in ids):
+                return None
+            ordinals = tuple(where[e] for e in ids)
+        rdd = relation.cacheBuilder().cachedColumnBuffers()  # defines the RDD, no job
+        return int(rdd.id()), ordinals, int(rdd.getNumPartitions())
+    except Exception:  # a plan shape this Spark version builds differently: not cached
+        return None
+
+
+def streaming_file_source(df: DataFrame) -> tuple[str, dict[str, str]] | None:
+    """(data source class name, options) when ``df`` is a file source as it came from
+    ``spark.readStream`` (nothing applied on top); None otherwise."""
+    try:
+        # analyzed: Spark 4's unanalyzed plan holds an unresolved NamedStreamingRelation
+        plan = df._jdf.queryExecution().analyzed()
+        if plan.getClass().getSimpleName() != "StreamingRelation":
+            return None
+        source = plan.dataSource()
+        options: dict[str, str] = {}
+        it = source.options().iterator()
+        while it.hasNext():
+            kv = it.next()
+            options[str(kv._1())] = str(kv._2())
+        return str(source.className()), options
+    except Exception:  # not the JVM plan we know
+        return None
+
+
+def running_spark_master() -> str | None:
+    """The master of the SparkContext running in this process, or None."""
+    from pyspark import SparkContext
+
+    active = SparkContext._active_spark_context
+    return None if active is None else str(active.master)
+
+
+def jvm_has_class(name: str) -> bool | None:
+    """Whether this process' Spark JVM has class ``name`` on its classpath; None when
+    no JVM was launched yet."""
+    from pyspark import SparkContext
+
+    gateway = SparkContext._gateway
+    if gateway is None:
+        return None
+    from py4j.java_gateway import JavaClass
+
+    node: Any = gateway.jvm
+    for part in name.split("."):
+        node = getattr(node, part)
+    return isinstance(node, JavaClass)
+
+
+def jvm_pid(spark: SparkSession) -> int:
+    """The pid of the driver JVM py4j launched for ``spark``."""
+    gateway: Any = spark.sparkContext._gateway
+    return int(gateway.proc.pid)
+
+
+def hadoop_filesystem_class(spark: SparkSession, scheme: str) -> str | None:
+    """The Hadoop ``FileSystem`` class Spark's driver uses for ``scheme`` (its
+    ``spark.hadoop.fs.<scheme>.impl`` or Hadoop's default), or None when it has none or
+    the class is missing. Makes no filesystem and no network call. Raises when this
+    SparkSession has no JVM in this process (Spark Connect)."""
+    from py4j.protocol import Py4JJavaError
+
+    sc = spark.sparkContext
+    conf = _jsc(spark).hadoopConfiguration()
+    jvm: Any = sc._jvm
+    try:
+        klass = jvm.org.apache.hadoop.fs.FileSystem.getFileSystemClass(scheme, conf)
+    except Py4JJavaError:  # UnsupportedFileSystemException, or ClassNotFoundException
+        return None
+    return str(klass.getName())
+
+
+def hadoop_version(spark: SparkSession) -> str:
+    """The version of the Hadoop client Spark runs with (e.g. ``3.3.4``)."""
+    jvm: Any = spark.sparkContext._jvm
+    return str(jvm.org.apache.hadoop.util.VersionInfo.getVersion())
+
+
+def translate_converted_errors(translate: Callable[[Any], Any]) -> None:
+    """Wrap pyspark's ``convert_exception`` (idempotent): the exception pyspark makes of a
+    failed job's Java error is passed to ``translate``, and its non-None answer raised
+    instead. Classic sessions only (a Connect client converts errors elsewhere)."""
+    from pyspark.errors.exceptions import captured
+
+    original = captured.convert_exception
+    if getattr(original, "_hybrid_iter_translation", False):
+        return
+
+    def convert_exception(e: Any) -> Any:
+        converted = original(e)
+        translated = translate(converted)
+        return converted if translated is None else translated
+
+    convert_exception._hybrid_iter_translation = True  # type: ignore[attr-defined]
+    convert_exception.__wrapped__ = original  # type: ignore[attr-defined]
+    captured.convert_exception = convert_exception
