@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -150,11 +150,11 @@ class OnlineLedger:
         if batch <= self.committed:
             return None
         if self.sync:
-            return sorted(self._reports.pop(batch, {}).items())
-        return self._journal.pop(batch, [])
+            return sorted(self._reports.get(batch, {}).items())
+        return list(self._journal.get(batch, []))
 
     def close(self, batch: int, rows: int, dead_letters: int, dead_files: int, now: float) -> None:
-        """Batch ``batch`` is committed: the next round starts."""
+        """Batch ``batch`` is committed (what it held is let go): the next round starts."""
         self._reports = {b: r for b, r in self._reports.items() if b > batch}
         self._journal = {b: e for b, e in self._journal.items() if b > batch}
         self._applied = {k for k in self._applied if k[0] > batch}
@@ -167,11 +167,39 @@ class OnlineLedger:
         self.last_commit = now
         self.rate.append((now, rows))
 
-    def gap(self, batch: int) -> str | None:
-        """Why journal record ``batch`` (newer than the state) cannot be applied next."""
-        if batch != self.committed + 1:
-            return f"batch {self.committed + 1} has no journal record"
-        return None
+    def replay_plan(self, journal: Sequence[int]) -> tuple[list[int], tuple[int, str] | None]:
+        """Which of the journal records on disk (batch ids) a restore replays after the
+        state it holds, in order: the run of consecutive batches after the last committed
+        one. The first record past a missing batch cannot be applied (nor anything after
+        it): it comes back with why, as ``(batch, why)``; None when there is no gap."""
+        plan: list[int] = []
+        for b in sorted(set(journal)):
+            if b <= self.committed:
+                continue
+            expected = self.committed + 1 + len(plan)
+            if b != expected:
+                return plan, (b, f"batch {expected} has no journal record")
+            plan.append(b)
+        return plan, None
+
+    def validate(self) -> None:
+        """Invariants that hold between calls (the ledger's tests check them at their end)."""
+        assert self.committed >= -1 and self.round >= 0, (self.committed, self.round)
+        assert min(self.batches, self.rows, self.dead_letters, self.dead_files) >= 0
+        assert len(self.rate) <= self.batches, "a commit rate without its commit"
+        assert all(b > self.committed for b in self._reports), "a committed batch still held"
+        assert all(b > self.committed for b in self._journal), "a committed batch journaled"
+        assert all(b > self.committed for b, _ in self._applied), "a committed batch applied"
+        if self.sync:
+            assert not self._applied and not self._journal, "sync applies only at commit"
+        else:
+            assert not self._reports, "async holds nothing for the commit"
+            by_batch: dict[int, list[int]] = {}
+            for b, entries in self._journal.items():
+                by_batch[b] = [p for p, _ in entries]
+                assert len(set(by_batch[b])) == len(by_batch[b]), f"batch {b} applied twice"
+            applied = {(b, p) for b, ps in by_batch.items() for p in ps}
+            assert applied == self._applied, "the journal and the applied set disagree"
 
     def rates(self) -> tuple[float | None, float | None]:
         """Batches and rows per second over the last commits."""
@@ -481,13 +509,8 @@ class OnlineCoordinator:
             report.snapshot = loaded.path
         else:
             self.host.main.open_all_round()  # no usable snapshot: the journal starts from init
-        for b in journal_ids:
-            if b <= self.ledger.committed:
-                continue
-            gap = self.ledger.gap(b)
-            if gap is not None:  # what follows a gap cannot be applied
-                report.unusable.append((b, gap))
-                break
+        plan, gap = self.ledger.replay_plan(journal_ids)
+        for b in plan:
             try:
                 record = read_record(store, _journal_name(b))
                 self.snapshots.check_fingerprint(record, f"{_journal_name(b)} in {store.uri}")
@@ -499,6 +522,9 @@ class OnlineCoordinator:
             self._close_round(b, record["rows"], record["dead_letters"], record["dead_files"])
             self._last_outputs, self.host.outputs = (b, self.host.outputs), []
             report.replayed.append(b)
+        else:  # every record of the run was read: what follows a gap cannot be applied
+            if gap is not None:
+                report.unusable.append(gap)
         if report.skipped and report.replayed:
             # the journal rebuilt what a damaged snapshot held: write it down again, so the
             # damaged file is replaced and does not count among the kept snapshots

@@ -131,18 +131,22 @@ def spark(session):
 
 @pytest.fixture
 def validate_cores(monkeypatch):
-    """Every ``CoordinatorCore`` the test makes (also inside a coordinator it drives)
-    has its invariants checked (``validate()``) when the test ends."""
+    """Every ``CoordinatorCore`` and ``OnlineLedger`` the test makes (also inside a
+    coordinator it drives) has its invariants checked (``validate()``) when the test ends."""
     from coordinator import CoordinatorCore
+    from coordinator._online import OnlineLedger
 
-    made: list[CoordinatorCore] = []
-    init = CoordinatorCore.__init__
+    made: list[CoordinatorCore | OnlineLedger] = []
+    for cls in (CoordinatorCore, OnlineLedger):
+        monkeypatch.setattr(cls, "__init__", _recording(cls.__init__, made))
+    yield made
+    for core in made:
+        core.validate()
 
+
+def _recording(init, made):
     def recording_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
         made.append(self)
 
-    monkeypatch.setattr(CoordinatorCore, "__init__", recording_init)
-    yield made
-    for core in made:
-        core.validate()
+    return recording_init

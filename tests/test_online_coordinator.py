@@ -11,10 +11,14 @@ import asyncio
 import cloudpickle
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from online_ops import Total
 
 from coordinator import CheckpointSpec, CoordinatorSpec, Emissions, OnlineCoordinator
 from coordinator._online import OnlineLedger
+
+pytestmark = pytest.mark.usefixtures("validate_cores")
 
 
 def _spec(staleness, checkpoint=None):
@@ -145,7 +149,103 @@ def test_the_ledger_counts_a_batch_once_whatever_spark_replays_or_retries(sync):
     assert (ledger.committed, ledger.round, ledger.rows) == (0, 1, 5)
     assert ledger.report(0, 1, Emissions()) == "old"  # Spark replays a committed batch
     assert ledger.entries(0) is None
-    assert ledger.gap(1) is None and ledger.gap(2) == "batch 1 has no journal record"
+    assert ledger.replay_plan([0, 1, 3]) == ([1], (3, "batch 2 has no journal record"))
     again = OnlineLedger(sync=sync)
     again.restore(ledger.snapshot())
     assert again.snapshot() == ledger.snapshot()
+
+
+#: one step of what Spark and the driver do to a ledger: a task reports (batch, partition),
+#: the driver commits a batch (the last committed one again: Spark's replay after a
+#: restart), or the coordinator restarts from the ledger's snapshot (reports in flight
+#: are lost with the process; Spark runs their batch again)
+_STEP = st.one_of(
+    st.tuples(st.just("report"), st.integers(-1, 3), st.integers(0, 2)),
+    st.tuples(st.just("commit"), st.integers(-1, 2)),
+    st.tuples(st.just("restart")),
+)
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(sync=st.booleans(), steps=st.lists(_STEP, max_size=40))
+def test_every_partition_of_a_batch_is_applied_once_under_any_schedule(sync, steps):
+    """Whatever Spark replays, retries or loses to a restart, each committed batch applies
+    each partition's emissions exactly once, as the model says: sync the partition's last
+    report before the commit (a retry replaces its attempt's), async its first one; a
+    batch at or below the last committed one changes nothing."""
+    ledger = OnlineLedger(sync=sync)
+    held: dict[int, dict[int, Emissions]] = {}  # the model: reports not yet committed
+    applied: list[tuple[int, int]] = []
+    serial = 0
+    for step in steps:
+        if step[0] == "report":
+            batch, part = ledger.committed + step[1], step[2]
+            serial += 1
+            em = Emissions(feedback=[serial])
+            verdict = ledger.report(batch, part, em)
+            if batch <= ledger.committed:
+                assert verdict == "old"
+            elif sync:
+                assert verdict == "held"
+                held.setdefault(batch, {})[part] = em
+            elif part in held.get(batch, {}):
+                assert verdict == "old"  # a retry of an applied partition
+            else:
+                assert verdict == "apply"
+                held.setdefault(batch, {})[part] = em
+                applied.append((batch, part))
+        elif step[0] == "commit":
+            batch = ledger.committed + step[1]
+            entries = ledger.entries(batch)
+            if batch <= ledger.committed:
+                assert entries is None
+                continue
+            want = held.get(batch, {})
+            assert entries is not None
+            assert dict(entries) == want and len(entries) == len(want)
+            if sync:
+                assert [p for p, _ in entries] == sorted(want)
+                applied.extend((batch, p) for p in want)
+            ledger.close(batch, rows=len(entries), dead_letters=0, dead_files=0, now=0.0)
+            held = {b: r for b, r in held.items() if b > batch}
+        else:
+            again = OnlineLedger(sync=sync)
+            again.restore(ledger.snapshot())
+            assert again.snapshot() == ledger.snapshot()
+            for b in held:  # only uncommitted batches' reports are lost
+                assert b > ledger.committed
+            ledger, held = again, {}
+            # an async batch's partitions applied before the restart are in no snapshot:
+            # they count again when Spark reruns the batch
+            applied = [(b, p) for b, p in applied if b <= ledger.committed]
+        ledger.validate()
+    assert len(applied) == len(set(applied)), "a partition of a batch applied twice"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    committed=st.integers(-1, 6),
+    on_disk=st.sets(st.integers(0, 12), max_size=10),
+)
+def test_a_restore_replays_the_journal_in_order_and_stops_at_a_gap(committed, on_disk):
+    """The journal replayed is the run of consecutive batches after the state's; the
+    first record past a missing batch is named as unusable, and nothing after it is
+    applied (it would skip the missing batch's update)."""
+    ledger = OnlineLedger(sync=True)
+    ledger.restore({"committed": committed, "round": committed + 1, "batches": 0, "rows": 0,
+                    "dead_letters": 0, "dead_files": 0})  # fmt: skip
+    plan, gap = ledger.replay_plan(sorted(on_disk))
+    assert plan == list(range(committed + 1, committed + 1 + len(plan)))
+    assert set(plan) <= on_disk and (committed + 1 + len(plan)) not in on_disk
+    later = sorted(b for b in on_disk if b > committed and b not in plan)
+    if later:
+        assert gap == (later[0], f"batch {committed + 1 + len(plan)} has no journal record")
+    else:
+        assert gap is None
+    for b in plan:  # replaying the plan leaves the ledger at its last batch
+        assert ledger.entries(b) == []
+        ledger.close(b, rows=0, dead_letters=0, dead_files=0, now=0.0)
+    assert ledger.committed == (plan[-1] if plan else committed)
+    ledger.validate()
