@@ -317,6 +317,7 @@ def make_active_session(spark: SparkSession) -> None:
     """Make ``spark`` the JVM's active SparkSession on this thread."""
     _jsc(spark)  # a classic session (a Connect one is refused, naming why)
     jvm = spark.sparkContext._jvm
+    assert jvm is not None  # a started classic SparkContext has its gateway
     jvm.org.apache.spark.sql.SparkSession.setActiveSession(spark._jsparkSession)
 
 

@@ -73,7 +73,7 @@ def _padding_free(dtype: np.dtype) -> np.ndarray:
 def value_bytes(arr: np.ndarray, order: str = "C") -> bytes:
     """``arr.tobytes(order)`` without the padding bytes of a structured dtype."""
     raw = arr.tobytes(order=order)
-    if arr.dtype.names is None and arr.dtype.subdtype is None or arr.dtype.itemsize == 0:
+    if (arr.dtype.names is None and arr.dtype.subdtype is None) or arr.dtype.itemsize == 0:
         return raw
     items = np.frombuffer(raw, np.uint8).reshape(-1, arr.dtype.itemsize)
     return items[:, _padding_free(arr.dtype)].tobytes()
