@@ -391,6 +391,7 @@ class OnlineCoordinator:
             failed=bool(self.failures),
             rows=self.ledger.rows,
             checkpointed=self.snapshots.newest if self.snapshots is not None else -1,
+            version=self.store.version,
         )
 
     def result(self) -> ResultData:
