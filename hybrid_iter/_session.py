@@ -322,7 +322,7 @@ def _end_ray_processes_left_by_a_failed_start() -> None:
         while doomed and time.monotonic() < deadline:
             doomed = [p for p in doomed if _alive(p)]
             if doomed:
-                time.sleep(0.05)  # waiting for processes to exit
+                time.sleep(0.05)  # polling the processes' exit, bounded
         if not doomed:
             return
 
