@@ -1,4 +1,4 @@
-"""Issue 17 benchmark: time to quality of hybrid_iter.ml (DEFAULT parameters) vs Spark
+"""Benchmark: time to quality of hybrid_iter.ml (DEFAULT parameters) vs Spark
 MLlib vs scikit-learn, on generated and on real data.
 
     python benchmarks/bench_ml.py                                  # both datasets, 3 repeats
@@ -451,7 +451,7 @@ def main() -> None:
     args = ap.parse_args()
 
     report = {
-        "benchmark": "hybrid_iter.ml time to quality vs MLlib vs scikit-learn (issue 17)",
+        "benchmark": "hybrid_iter.ml time to quality vs MLlib vs scikit-learn",
         "target": f"objective within {TARGET:g} (relative) of the best optimum found",
         "partitions": args.partitions,
         "repeats": args.repeats,

@@ -35,7 +35,7 @@ class IterationConfigError(HybridIterError, ValueError):
 
 
 class ConfigTypeError(IterationConfigError, TypeError):
-    """An argument of the wrong type (also a ``TypeError``, as it was before the tree)."""
+    """An argument of the wrong type (also a ``TypeError``, so ``except TypeError`` catches it)."""
 
 
 class UsageError(HybridIterError, RuntimeError):

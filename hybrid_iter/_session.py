@@ -7,6 +7,7 @@ instance that was already running is used and left running.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -270,11 +271,155 @@ _CONNECT_REFUSED = (
 )
 
 
+def _short(ex: BaseException) -> str:
+    """An exception's text without a JVM stack trace (the lines that say what failed)."""
+    lines = [ln.strip() for ln in str(ex).splitlines()]
+    return " ".join(ln for ln in lines if ln and not ln.startswith("at "))[:1000]
+
+
+def _end_ray_processes_left_by_a_failed_start() -> None:
+    """``ray.init`` that fails midway (e.g. after starting the GCS) keeps no handle to
+    what it started, so ``ray.shutdown`` cannot end it: end this process's descendants
+    that run Ray's own programs (found by the Ray package's path in their command line;
+    Spark's JVM, started beside it, does not match), SIGTERM then SIGKILL."""
+    import signal
+
+    import ray
+
+    ray_dir = os.path.dirname(os.path.abspath(ray.__file__))
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            parent[int(entry)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+    mine = {os.getpid()}
+    grew = True
+    while grew:
+        grew = False
+        for pid, ppid in parent.items():
+            if ppid in mine and pid not in mine:
+                mine.add(pid)
+                grew = True
+    mine.discard(os.getpid())
+    doomed = []
+    for pid in mine:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if ray_dir in cmdline:
+            doomed.append(pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in doomed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + 5
+        while doomed and time.monotonic() < deadline:
+            doomed = [p for p in doomed if _alive(p)]
+            if doomed:
+                time.sleep(0.05)  # polling the processes' exit, bounded
+        if not doomed:
+            return
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` is running (a zombie is reaped here if it is our child)."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _prepare_process_env() -> None:
     """Spark's Python workers must run this interpreter and stay on loopback."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+
+class _SparkStart:
+    """``Session.local``'s Spark, started in a thread of its own while Ray starts."""
+
+    def __init__(
+        self,
+        parallelism: int,
+        app_name: str,
+        driver_memory: str,
+        cores: int,
+        spark_conf: Mapping[str, str] | None,
+    ) -> None:
+        self.parallelism = parallelism
+        self.conf = {
+            "spark.master": f"local[{parallelism}]",
+            "spark.app.name": app_name,
+            "spark.driver.host": "127.0.0.1",
+            "spark.driver.bindAddress": "127.0.0.1",
+            "spark.driver.memory": driver_memory,
+            "spark.ui.enabled": "false",
+            "spark.ui.showConsoleProgress": "false",
+            "spark.sql.shuffle.partitions": str(parallelism),
+            "spark.default.parallelism": str(parallelism),
+            **_worker_env(_blas_threads(cores, parallelism)),
+            **dict(spark_conf or {}),
+        }
+        self.launched_jvm = not _spark_compat.jvm_launched()
+        #: what becomes of Ray if Spark fails (said in the error)
+        self.ray_fate = "was stopped"
+        self._spark: Any = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def begin(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name="hybrid_iter-spark-start", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        from pyspark.sql import SparkSession
+
+        try:
+            builder = SparkSession.builder
+            for k, v in self.conf.items():
+                builder = builder.config(k, v)
+            self._spark = builder.getOrCreate()
+        except BaseException as ex:  # handed to the caller's thread
+            self._error = ex
+
+    def result(self) -> Any:
+        """The SparkSession, made the active one of the calling thread (the JVM keeps
+        the active session per thread); ``SessionError`` naming Spark if it failed."""
+        assert self._thread is not None
+        self._thread.join()
+        if self._error is not None:
+            raise SessionError(
+                f"Session.local: Spark local[{self.parallelism}] did not start: "
+                f"{_short(self._error)} (Ray, started beside it, {self.ray_fate})"
+            ) from self._error
+        spark = self._spark
+        _spark_compat.make_active_session(spark)
+        spark.sparkContext.setLogLevel("ERROR")
+        return spark
+
+    def abandon(self) -> None:
+        """Wait for the start to end, then stop what it started (its JVM too, if this
+        start launched it): a session that failed leaves no Spark behind."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        if self.launched_jvm:
+            _spark_compat.shut_down_jvm()
+        elif self._spark is not None:
+            self._spark.stop()
 
 
 class Session:
@@ -341,46 +486,49 @@ class Session:
         from pyspark.sql import SparkSession
 
         owns_ray = not ray.is_initialized()
-        if owns_ray:
-            ray.init(
-                address="local",  # our own instance, even if a `ray start` cluster runs here
-                num_cpus=cores,
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                namespace=NAMESPACE,
-                object_store_memory=object_store_memory,
-                logging_level=logging.WARNING,
-                log_to_driver=True,
-            )
-        address = ray.get_runtime_context().gcs_address
         owns_spark = _spark_compat.running_spark_master() is None
-        if not owns_spark:
-            spark = SparkSession.builder.getOrCreate()  # the running one; left running
-            log.info("Session.local uses the running SparkSession (%s)", spark.sparkContext.master)
-        else:
-            conf = {
-                "spark.master": f"local[{parallelism}]",
-                "spark.app.name": app_name,
-                "spark.driver.host": "127.0.0.1",
-                "spark.driver.bindAddress": "127.0.0.1",
-                "spark.driver.memory": driver_memory,
-                "spark.ui.enabled": "false",
-                "spark.ui.showConsoleProgress": "false",
-                "spark.sql.shuffle.partitions": str(parallelism),
-                "spark.default.parallelism": str(parallelism),
-                **_worker_env(_blas_threads(cores, parallelism)),
-                **dict(spark_conf or {}),
-            }
-            builder = SparkSession.builder
-            for k, v in conf.items():
-                builder = builder.config(k, v)
-            try:
-                spark = builder.getOrCreate()
-            except Exception as ex:
-                if owns_ray:
+        # Spark's JVM starts in a thread while Ray starts here: they need nothing of each
+        # other until the session is made, so the session costs the slower of the two.
+        spark_start = _SparkStart(parallelism, app_name, driver_memory, cores, spark_conf)
+        if not owns_ray:
+            spark_start.ray_fate = "is left running"
+        if owns_spark:
+            spark_start.begin()
+        try:
+            if owns_ray:
+                try:
+                    ray.init(
+                        address="local",  # our own instance, even if a `ray start` runs here
+                        num_cpus=cores,
+                        include_dashboard=False,
+                        _node_ip_address="127.0.0.1",
+                        namespace=NAMESPACE,
+                        object_store_memory=object_store_memory,
+                        logging_level=logging.WARNING,
+                        log_to_driver=True,
+                    )
+                except Exception as ex:
                     ray.shutdown()
-                raise SessionError(f"could not start Spark local[{parallelism}]: {ex}") from ex
-            spark.sparkContext.setLogLevel("ERROR")
+                    _end_ray_processes_left_by_a_failed_start()
+                    beside = "was stopped" if owns_spark else "is left running"
+                    raise SessionError(
+                        f"Session.local: Ray did not start on 127.0.0.1: {_short(ex)} "
+                        f"(Spark, started beside it, {beside})"
+                    ) from ex
+            address = ray.get_runtime_context().gcs_address
+            if not owns_spark:
+                spark = SparkSession.builder.getOrCreate()  # the running one; left running
+                log.info(
+                    "Session.local uses the running SparkSession (%s)", spark.sparkContext.master
+                )
+            else:
+                spark = spark_start.result()
+        except BaseException:
+            if owns_spark:
+                spark_start.abandon()
+            if owns_ray:
+                ray.shutdown()  # also ends the processes of a start that failed midway
+            raise
         return cls(spark, address, owns_spark=owns_spark, owns_ray=owns_ray, kind="local")
 
     @classmethod

@@ -25,9 +25,11 @@ differently. Nothing else in ``hybrid_iter`` or ``spark_ops`` touches ``_jdf``,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import re
+import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -432,6 +434,40 @@ def running_spark_master() -> str | None:
 
     active = SparkContext._active_spark_context
     return None if active is None else str(active.master)
+
+
+def jvm_launched() -> bool:
+    """Whether this process has launched its Spark JVM (PySpark keeps one per process)."""
+    from pyspark import SparkContext
+
+    return SparkContext._gateway is not None
+
+
+def shut_down_jvm() -> None:
+    """Stop this process's SparkContext and end the JVM PySpark launched for it (a later
+    SparkSession launches a new one). For a start that failed: nothing of Spark is left."""
+    from pyspark import SparkContext
+
+    active = SparkContext._active_spark_context
+    if active is not None:
+        with contextlib.suppress(Exception):  # tearing down a start that failed already
+            active.stop()
+    gateway = SparkContext._gateway
+    if gateway is None:
+        return
+    proc = getattr(gateway, "proc", None)
+    with contextlib.suppress(Exception):  # the JVM may be gone already
+        gateway.shutdown()
+    if proc is not None:
+        if proc.stdin is not None:
+            proc.stdin.close()  # PySpark's JVM exits when its stdin closes
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    SparkContext._gateway = None
+    SparkContext._jvm = None
 
 
 def jvm_has_class(name: str) -> bool | None:

@@ -1,4 +1,4 @@
-"""The checkpoint store without Spark (issue 15): nothing read back executes before it is
+"""The checkpoint store without Spark: nothing read back executes before it is
 authenticated, a checkpoint belongs to one run, corrupt output segments are skipped."""
 
 from __future__ import annotations

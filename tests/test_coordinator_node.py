@@ -1,4 +1,4 @@
-"""Losing the node that runs the coordinator, on a real multi-node Ray cluster (issue 15).
+"""Losing the node that runs the coordinator, on a real multi-node Ray cluster.
 
 Three raylets on 127.0.0.1 (``k8s_ray_cluster.ClusterProcess``): a head with no CPUs and
 two 1-CPU workers offering the custom resource ``coord`` the coordinator asks for. The

@@ -1,7 +1,6 @@
-"""Flink-faithful iteration semantics (issue 14), on real Spark + Ray.
+"""Flink-faithful iteration semantics, on real Spark + Ray.
 
-Each test is one of Flink ML's own iteration behaviours translated to our API, and
-failed on the code before issue 14.
+Each test is one of Flink ML's own iteration behaviours translated to our API.
 """
 
 from __future__ import annotations
@@ -67,8 +66,8 @@ def run(df, body, *, replay=False, **config):
 def test_a_coordinator_that_stops_publishing_ends_the_iteration(spark, staleness):
     """The coordinator publishes in epochs 0 and 1 only; partitions report every epoch.
     Flink ML terminates at the alignment after epoch 2 (nothing fed back into epoch 3):
-    watermarks 0, 1, 2 on the coordinator tier, then TERMINATED once. Before issue 14
-    the partitions' feedback kept it running until max_epochs."""
+    watermarks 0, 1, 2 on the coordinator tier, then TERMINATED once: the partitions'
+    feedback alone does not keep it running (until max_epochs)."""
     df = spark.range(40, numPartitions=2)
     body = hi.IterationBody(partition=Reporter(), coordinator=PublishUntil(until=2))
     result = run(df, body, parallelism=2, staleness=staleness, max_epochs=8)
@@ -146,7 +145,7 @@ def test_the_terminating_round_runs_its_per_round_operators(spark):
 
 def test_process_variables_sees_the_epoch_the_variables_belong_to(spark):
     """Version v is published in the watermark callback of epoch v - 1, so it belongs to
-    epoch v: process_variables must see ctx.epoch == v (it saw v - 1 before issue 14)."""
+    epoch v: process_variables must see ctx.epoch == v (not v - 1)."""
     df = spark.range(20, numPartitions=2)
     body = hi.IterationBody(
         partition=Reporter(), coordinator=PublishUntil(), criteria=hi.TerminateOnMaxIter(3)

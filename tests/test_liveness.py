@@ -1,4 +1,4 @@
-"""Nothing hangs (issue 15): a partition or coordinator operator that blocks fails the run
+"""Nothing hangs: a partition or coordinator operator that blocks fails the run
 within ``IterationConfig(call_timeout=...)``, naming who, the method and the epoch."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 17: the default solvers of ``hybrid_iter.ml`` (L-BFGS / OWL-QN, normal equations,
+"""The default solvers of ``hybrid_iter.ml`` (L-BFGS / OWL-QN, normal equations,
 multinomial) reach MLlib's and scikit-learn's optimum on features spanning 1e-3..1e4, and
 the estimators are ``pyspark.ml`` stages (Pipeline, CrossValidator, PipelineModel
 save/load). Real Spark, real Ray."""

@@ -1,4 +1,4 @@
-"""Garbage is refused, never trained on (issue 15): NaN / inf in numeric columns, in the
+"""Garbage is refused, never trained on: NaN / inf in numeric columns, in the
 initial or published variables, and feedback arrays whose shapes differ across
 partitions (a sum would broadcast them)."""
 

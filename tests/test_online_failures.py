@@ -109,7 +109,8 @@ def test_a_raising_callback_fails_the_stream_naming_partition_batch_and_method(
 @pytest.mark.parametrize("source", ["csv", "parquet"])
 def test_a_blocking_callback_fails_the_stream_after_call_timeout(spark, tmp_path, source):
     write(source, tmp_path, 3)
-    it = start(spark, source, tmp_path, Blocker(at=1), call_timeout=3)
+    # long enough that a busy machine starting micro-batch 0's tasks is not "no progress"
+    it = start(spark, source, tmp_path, Blocker(at=1), call_timeout=8)
     try:
         it.query.awaitTermination(240)  # Spark's own view: the query ended with an error
     except Exception:
@@ -120,7 +121,7 @@ def test_a_blocking_callback_fails_the_stream_after_call_timeout(spark, tmp_path
     text = str(info.value)
     assert "partition 0 made no progress for" in text
     assert "in Blocker.process_data (micro-batch 1) at epoch 1" in text
-    assert "OnlineConfig(call_timeout=3)" in text
+    assert "OnlineConfig(call_timeout=8)" in text
     assert info.value.failures[0].type_name == "CallTimeout"
     assert it.progress.last_batch_id == 0
     # the blocked task was cancelled: every task slot runs work again

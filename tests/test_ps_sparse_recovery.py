@@ -5,9 +5,11 @@ goes on: a sync run ends bit for bit equal to the run without the fault; an asyn
 keeps every update applied before the cut, applies each step once in the end, and says
 what it replayed.
 
-The kill happens at a fixed point: partition 0's grad_fn, at a given call, writes a
-``ready`` file and waits (bounded) for the ``killed`` file that the test's thread writes
-once the shard's process is gone; the relaunched tasks see ``killed`` and go on."""
+The kill happens at a known point: partition 0's grad_fn, at its first call from a given
+one on at which a checkpoint is committed (so that there is a cut to go back to, however
+slow the other partition is), writes a ``ready`` file and waits (bounded) for the
+``killed`` file that the test's thread writes once the shard's process is gone; the
+relaunched tasks see ``killed`` and go on."""
 
 from __future__ import annotations
 
@@ -77,18 +79,25 @@ def _init():
 
 
 class PauseOnce:
-    """``fn``, except that partition 0's ``call``-th call waits (bounded) for the test to
-    kill a shard, once: a relaunched task finds ``killed`` and does not wait."""
+    """``fn``, except that partition 0, from its ``call``-th call on, once a checkpoint is
+    committed under ``checkpoints``, waits (bounded) for the test to kill a shard, once: a
+    relaunched task finds ``killed`` and does not wait. (Partition 0 goes on stepping until
+    then: taking a cut needs every partition between two steps, not blocked in one.)"""
 
-    def __init__(self, fn, flags: str, call: int) -> None:
-        self.fn, self.flags, self.call = fn, flags, call
+    def __init__(self, fn, flags: str, call: int, checkpoints: str) -> None:
+        self.fn, self.flags, self.call, self.checkpoints = fn, flags, call, checkpoints
         self.calls = 0
 
     def __call__(self, params, batch):
         if batch["part"][0] == 0:
             self.calls += 1
             flags = Path(self.flags)
-            if self.calls == self.call and not (flags / "killed").exists():
+            if (
+                self.calls >= self.call
+                and not (flags / "killed").exists()
+                and not (flags / "ready").exists()
+                and any(Path(self.checkpoints).rglob("chk-*.ckpt"))
+            ):
                 (flags / "ready").write_text("")
                 deadline = time.monotonic() + 300
                 while not (flags / "killed").exists():
@@ -98,13 +107,9 @@ class PauseOnce:
         return self.fn(params, batch)
 
 
-def _killer(
-    flags: Path, run_name: str, shard: int, got: dict, checkpoints: Path
-) -> threading.Thread:
-    """Once ``ready`` appears and a checkpoint is committed under ``checkpoints`` (the cut
-    the restore goes back to; other partitions may still be finishing that epoch): find
-    the shard of run ``run_name`` by name, ask it its pid, SIGKILL it, wait until its
-    process is gone, write ``killed``."""
+def _killer(flags: Path, run_name: str, shard: int, got: dict) -> threading.Thread:
+    """Once ``ready`` appears: find the shard of run ``run_name`` by name, ask it its pid,
+    SIGKILL it, wait until its process is gone, write ``killed``."""
     import ray
 
     def run() -> None:
@@ -114,10 +119,6 @@ def _killer(
                 if time.monotonic() > deadline:
                     raise TimeoutError("the run never reached the kill point")
                 time.sleep(0.05)
-            while not any(checkpoints.rglob("chk-*.ckpt")):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no checkpoint was committed under {checkpoints}")
-                time.sleep(0.05)  # waiting for a file written by another process
             names = [
                 a["name"]
                 for a in ray.util.list_named_actors(all_namespaces=True)
@@ -181,8 +182,9 @@ def test_a_shard_sigkilled_mid_run_is_restored_and_a_sync_run_ends_bit_for_bit(d
     flags.mkdir()
     got: dict = {}
     # partition 0 has 4 steps per epoch: call 11 is epoch 2, step 2 (checkpoints of 0, 1)
-    thread = _killer(flags, "ps-killed", 1, got, tmp_path / "killed")
-    out = _train(df, PauseOnce(fm_grad, str(flags), 11), tmp_path / "killed", name="ps-killed")
+    thread = _killer(flags, "ps-killed", 1, got)
+    pause = PauseOnce(fm_grad, str(flags), 11, str(tmp_path / "killed"))
+    out = _train(df, pause, tmp_path / "killed", name="ps-killed")
     thread.join(timeout=60)
     try:
         assert "error" not in got, got.get("error")
@@ -209,11 +211,11 @@ def test_an_async_run_keeps_every_update_before_the_cut_and_says_what_it_replaye
     flags = tmp_path / "flags"
     flags.mkdir()
     got: dict = {}
-    thread = _killer(flags, "ps-async", 2, got, tmp_path / "ckpt")
+    thread = _killer(flags, "ps-async", 2, got)
     epochs = 4
     out = _train(
         df,
-        PauseOnce(fm_grad, str(flags), 7),
+        PauseOnce(fm_grad, str(flags), 7, str(tmp_path / "ckpt")),
         tmp_path / "ckpt",
         name="ps-async",
         mode="async",

@@ -1,4 +1,4 @@
-"""Recovery you can trust (issue 15), end to end on real Spark and Ray: restored operator
+"""Recovery you can trust, end to end on real Spark and Ray: restored operator
 state, faults from outside (SIGKILL of a Python worker and of the coordinator's process),
 and the sync guarantee that a run that survived a fault ends bit for bit like one that
 had none."""

@@ -208,7 +208,7 @@ def test_keyed_views_of_every_kind_show_a_record_only_its_key(spark, main, dims,
         tags_u = [f"a{u}", f"b{u}"] if u % 3 == 0 else []
         assert r.many == tags_u and r.multi == tags_u
         # each task holds one shard of the map, but a record sees only its own key's
-        # entry (FLIP-17 keyed state; issue 14): never the rest of its task's shard
+        # entry (FLIP-17 keyed state): never the rest of its task's shard
         assert r.shard == (1 if u % 2 == 0 else 0)
     assert len({r.pid for r in out}) == 4
 

@@ -1,4 +1,4 @@
-"""spark_ops semantics of issue 14, on a real SparkSession: the keyed aggregate with an
+"""spark_ops semantics, on a real SparkSession: the keyed aggregate with an
 atomic result type, keyed side-input views scoped to the record's key, rich functions
 (open/close once per partition) and one exception root."""
 

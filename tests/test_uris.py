@@ -172,7 +172,7 @@ def test_a_location_spark_also_uses_refuses_pyarrow_only_options(tmp_path):
 
 
 def test_spark_spellings_of_s3_are_accepted_by_every_config():
-    # s3a:// (Spark's) used to be refused with advice to write s3://, which Spark rejects
+    # Spark's own spellings (s3a://, s3n://, gs://) are what a Spark user writes
     assert hi.OnlineConfig(checkpoint_location="s3a://bkt/ckpt").checkpoint_location == (
         "s3a://bkt/ckpt"
     )
