@@ -94,7 +94,18 @@ def _check_leaks(fds_before: int, keep: set[int], threads_before: set[int]) -> N
     # Slack for the gateway JVM's pipes and the interpreter's own lazily opened files;
     # a per-test leak over ~500 tests is far above it.
     if grown > 64:
-        problems.append(f"{grown} more open file descriptors than before the session")
+        kinds: dict[str, int] = {}
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            kind = target if target.startswith("/") else target.split(":")[0]
+            kinds[kind] = kinds.get(kind, 0) + 1
+        problems.append(
+            f"{grown} more open file descriptors than before the session (now: "
+            f"{sorted(kinds.items(), key=lambda kv: -kv[1])[:12]})"
+        )
     if problems:
         raise AssertionError("resources leaked by the test session: " + "; ".join(problems))
 
