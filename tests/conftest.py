@@ -91,11 +91,11 @@ def _check_leaks(fds_before: int, keep: set[int], threads_before: set[int]) -> N
         problems.append(f"child processes still running: {sorted(left.items())}")
     if threads:
         problems.append(f"non-daemon threads still running: {[t.name for t in threads]}")
-    # Slack for what lives as long as the interpreter: the gateway JVM's pipes and its
-    # connections (py4j keeps one per Python thread that called the JVM), Ray's driver
-    # log files, the event descriptors of I/O threads, lazily opened files. A full run
-    # ends near 90 (about 50 sockets, 30 event descriptors); a per-test leak over the
-    # suite's ~900 tests is far above the limit.
+    # Slack for what lives as long as the interpreter: the gateway JVM's pipes and
+    # connections, Ray's driver log files (open after its shutdown), the event
+    # descriptors of I/O threads, lazily opened files. A full run ends near 90 (about 50
+    # sockets, 30 event descriptors, seen with the listing below); a per-test leak over
+    # the suite's ~900 tests is far above the limit.
     if grown > 160:
         kinds: dict[str, int] = {}
         for fd in os.listdir("/proc/self/fd"):
