@@ -524,9 +524,19 @@ class _ShardCore:
         return (self.version, None, ref) if ref is not None else (self.version, self.w.copy(), None)
 
     def _reply(self, pid: int, dense: tuple[int, np.ndarray | None, Any], keys: Any) -> Any:
+        self._count_dense_out(dense)
         if keys is None:
             return dense
         return (*dense, self._rows_reply(pid))
+
+    def _count_dense_out(self, dense: tuple[int, np.ndarray | None, Any]) -> None:
+        """The dense values a reply hands out, inline or as an object-store reference
+        (the caller reads the whole range from the store: counted for each reply)."""
+        _, inline, ref = dense
+        if inline is not None:
+            self.stats["bytes_out"] += inline.nbytes
+        elif ref is not None:
+            self.stats["bytes_out"] += self.w.nbytes
 
     def _advance(self) -> None:
         """Apply every sync step whose pushes are all in; end epochs; wake pullers."""
@@ -713,7 +723,9 @@ class ParameterShard(_ShardCore):
         parameters before it; ``epoch`` None: now)."""
         if epoch is not None and self.spec.sync:
             await self._ready(epoch, step)
-        return (*self._current(), self.lookup(token, keys))
+        dense = self._current()
+        self._count_dense_out(dense)
+        return (*dense, self.lookup(token, keys))
 
     async def _ready(self, epoch: int, step: int) -> None:
         if (self.epoch, self.step) >= (epoch, step):
@@ -791,7 +803,9 @@ class FreeShard(_ShardCore):
         self, token: str | None, keys: Any, epoch: int | None = None, step: int = 0
     ) -> Any:
         """``(version, inline, ref, rows per table)`` now (async: nothing to wait for)."""
-        return (*self._current(), self.lookup(token, keys))
+        dense = self._current()
+        self._count_dense_out(dense)
+        return (*dense, self.lookup(token, keys))
 
     def _newest(self) -> tuple[int, np.ndarray | None, Any]:
         # In async mode versions change with every push, so most are pulled once: the

@@ -494,6 +494,7 @@ class Session:
             spark_start.ray_fate = "is left running"
         if owns_spark:
             spark_start.begin()
+        env_before = dict(os.environ)
         try:
             if owns_ray:
                 try:
@@ -523,6 +524,15 @@ class Session:
                 )
             else:
                 spark = spark_start.result()
+            # What ray.init put in this process's environment (e.g. RAY_AUTH_MODE=token)
+            # is what Spark's Python workers need to join Ray; the JVM started beside it
+            # (or before) did not see it, so it goes to every later task's workers.
+            handed = {
+                k: v
+                for k, v in os.environ.items()
+                if k.startswith("RAY_") and env_before.get(k) != v
+            }
+            spark.sparkContext.environment.update(handed)
         except BaseException:
             if owns_spark:
                 spark_start.abandon()

@@ -50,8 +50,8 @@ def round_trip(store, obj):
 
 
 def _padding_free(dtype: np.dtype) -> np.ndarray:
-    """Which bytes of one ``dtype`` item belong to a field (a structured dtype's padding,
-    e.g. an aligned struct's, holds whatever memory held: not part of the value)."""
+    """Which bytes of one ``dtype`` item hold its value: not a structured dtype's padding
+    (an aligned struct's) nor a long double's, which hold whatever memory held."""
     mask = np.zeros(dtype.itemsize, bool)
 
     def mark(dt: np.dtype, base: int) -> None:
@@ -63,6 +63,11 @@ def _padding_free(dtype: np.dtype) -> np.ndarray:
             item, shape = dt.subdtype
             for i in range(int(np.prod(shape))):
                 mark(item, base + i * item.itemsize)
+        elif dt.type in _EXTENDED and _EXTENDED_BYTES < dt.itemsize // _parts(dt):
+            # x87 extended precision: 10 bytes of value in a 16-byte slot
+            step = dt.itemsize // _parts(dt)
+            for part in range(_parts(dt)):
+                mask[base + part * step : base + part * step + _EXTENDED_BYTES] = True
         else:
             mask[base : base + dt.itemsize] = True
 
@@ -70,10 +75,24 @@ def _padding_free(dtype: np.dtype) -> np.ndarray:
     return mask
 
 
+#: long double types and how many bytes of theirs hold the value (x87's 80 bits where
+#: numpy's long double is that format, padded to 12 or 16 bytes)
+_EXTENDED = (np.longdouble, np.clongdouble)
+_EXTENDED_BYTES = 10 if np.finfo(np.longdouble).nmant == 63 else np.dtype(np.longdouble).itemsize
+
+
+def _parts(dt: np.dtype) -> int:
+    return 2 if dt.kind == "c" else 1
+
+
+def _has_padding(dtype: np.dtype) -> bool:
+    return not bool(_padding_free(dtype).all())
+
+
 def value_bytes(arr: np.ndarray, order: str = "C") -> bytes:
-    """``arr.tobytes(order)`` without the padding bytes of a structured dtype."""
+    """``arr.tobytes(order)`` without the padding bytes of its dtype."""
     raw = arr.tobytes(order=order)
-    if (arr.dtype.names is None and arr.dtype.subdtype is None) or arr.dtype.itemsize == 0:
+    if arr.dtype.itemsize == 0 or not _has_padding(arr.dtype):
         return raw
     items = np.frombuffer(raw, np.uint8).reshape(-1, arr.dtype.itemsize)
     return items[:, _padding_free(arr.dtype)].tobytes()

@@ -5,6 +5,7 @@ few million parameters, the shard actor's protocol on its own, and every bad arg
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import re
 import time
@@ -362,6 +363,34 @@ def test_an_async_shard_sends_a_version_as_an_array_once_then_shares_one_put():
     assert version == 3 and ref is None
     np.testing.assert_array_equal(values, np.full(n, -3.0))
     assert "cpu_seconds" in shard.info()
+
+
+def test_a_shards_bytes_out_count_the_dense_values_each_reply_hands_out():
+    """``bytes_out`` (the progress line's kB/call, the benchmarks' bytes per step) counts
+    the dense range a reply carries, inline or as a reference into the object store
+    (each caller reads the whole range), not only the table rows."""
+    from coordinator._ps import FreeShard
+
+    n = 20_000
+    spec = ShardSpec(0, 0, n, np.zeros(n), "sgd", {"learning_rate": 0.5}, 1, False)
+    puts = []
+    shard = FreeShard(spec, put=lambda v: puts.append(v) or len(puts))
+    assert shard.pull(0, 0)[2] is None  # inline
+    assert shard.pull(0, 0)[2] == 1  # by reference
+    shard.push(0, 0, 0, np.ones(n), 1.0, True, True)  # the reply carries the next values
+    shard.lookup_at(None, ())  # evaluation: the dense values and no table
+    assert shard.info()["bytes_out"] == 4 * n * 8
+
+    sync = ParameterShard(dataclasses.replace(spec, sync=True), put=None)
+
+    async def scenario():
+        await sync.pull(0, 0)
+        await sync.push(0, 0, 0, np.ones(n), 1.0, False, True)
+        await sync.lookup_at(None, ())
+
+    asyncio.run(scenario())
+    assert sync.info()["bytes_out"] == 3 * n * 8
+    assert sync.info()["bytes_in"] == n * 8  # the one gradient
 
 
 # -- what reaches the shards is validated ---------------------------------------------------

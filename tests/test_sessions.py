@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import SLOTS, requires_raydp
 from ops import GradientDescent, LinRegPartition
+from session_start_job import children
 
 import hybrid_iter as hi
 
@@ -163,34 +164,12 @@ def test_the_coordinator_goes_where_coordinator_resources_say(spark):
         assert small_fit(frame(spark, 2)).epochs == 3  # the launch asks for it, and runs
 
 
-def _descendants(root: int) -> set[int]:
-    """``root`` and every live process below it, from /proc."""
-    parent = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            parent[int(entry)] = int(stat[stat.rindex(")") + 2 :].split()[1])
-    found = {root}
-    grew = True
-    while grew:
-        grew = False
-        for pid, ppid in parent.items():
-            if ppid in found and pid not in found:
-                found.add(pid)
-                grew = True
-    return found
-
-
 def test_the_embedded_default_listens_on_loopback_only(session, spark):
     """Session.local: Spark's JVM, Ray's GCS, raylet, workers and agents, and this driver
     accept connections on 127.0.0.1 only (Ray advertises the host's outward address and
     binds every interface unless told otherwise), from ``ss -ltnp``."""
     spark.range(4, numPartitions=2).count()  # Python workers and executors up
-    mine = _descendants(os.getpid())
+    mine = {os.getpid(), *children()}
     proc = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True)
     listening, elsewhere = [], []
     for line in proc.stdout.splitlines():
