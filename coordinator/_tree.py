@@ -232,18 +232,20 @@ class CoordinatorTree:
         if self.bounds and start_groups:
             import ray
 
-            # ray's remote(**options) overload lists task options only, not max_concurrency
+            # the coordinator tier's placement (hybrid_iter/_runtime/placement.py: the head
+            # node, or the configured resources) is what the coordinator actor was started
+            # with: the aggregators ask for the same resources, so they go where it is
             options = {
                 "num_cpus": 0,
                 "max_restarts": 0,
+                "max_task_retries": 0,
                 "max_concurrency": max(1000, 4 * 64),
                 "enable_task_events": False,
+                **placement_options(),
             }
             me = ray.get_runtime_context().current_actor
-            self.root = ray.remote(**options)(RootAggregator).remote(  # type: ignore[call-overload]
-                me, self.bounds, spec
-            )
-            cls = ray.remote(**options)(GroupAggregator)  # type: ignore[call-overload]
+            self.root = ray.remote(**options)(RootAggregator).remote(me, self.bounds, spec)
+            cls = ray.remote(**options)(GroupAggregator)
             self.groups = [cls.remote(me, lo, hi, spec, self.root) for lo, hi in self.bounds]
 
     def group_of(self, pid: int) -> Any:
@@ -452,6 +454,18 @@ class RootAggregator(_Aggregator):
     async def info(self) -> dict[str, Any]:
         """Counters; ``cpu_seconds``: this process's CPU time so far."""
         return {"groups": self.expected, "forwarded": self.forwarded, "cpu_seconds": _cpu()}
+
+
+def placement_options() -> dict[str, Any]:
+    """``ray.remote`` options that place an actor as the current one was placed: the
+    custom resources it holds (``{}`` when none: a single-node run)."""
+    import ray
+
+    held = ray.get_runtime_context().get_assigned_resources()
+    resources = {
+        k: v for k, v in held.items() if k not in ("CPU", "GPU", "memory", "object_store_memory")
+    }
+    return {"resources": resources} if resources else {}
 
 
 def _answer(reply: Reply, size: int | None) -> Any:

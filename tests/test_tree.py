@@ -1,4 +1,4 @@
-"""Tree aggregation of feedback (``IterationBody(feedback_combine=...)``, issue 19):
+"""Tree aggregation of feedback (``IterationBody(feedback_combine=...)``):
 combined sync runs equal flat runs up to float rounding and repeat bit for bit, through
 the coordinator straight and through group aggregator actors, on real Spark + Ray; bad
 combiners and async iterations are refused before any job; the pure merge logic."""
@@ -462,3 +462,37 @@ def test_a_root_aggregator_killed_from_outside_fails_the_run_naming_it(data, tmp
         )
     assert flag.read_text() != "None"  # the root was found and killed
     assert "ActorDiedError" in str(info.value)
+
+
+def test_aggregator_actors_are_placed_where_their_coordinator_was(session):
+    """The coordinator tier's placement rule (the head node, or the configured resources:
+    ``hybrid_iter/_runtime/placement.py``) reaches the aggregators: they ask for the
+    custom resources the coordinator actor holds, so they go where it went."""
+    import ray
+
+    class TreeHost:  # stands in for a coordinator actor (defined here: shipped by value)
+        def start(self):
+            import cloudpickle
+
+            from coordinator._tree import CoordinatorTree, TreeSpec
+
+            self.tree = CoordinatorTree(TreeSpec(cloudpickle.dumps("sum"), fan_in=2), 4)
+            return [self.tree.root, *self.tree.groups]
+
+    where = {"node:127.0.0.1": 0.001}
+    host = ray.remote(num_cpus=0, resources=where)(TreeHost).remote()
+    try:
+        actors = ray.get(host.start.remote(), timeout=120)
+        assert len(actors) == 1 + 2  # the root and two groups of two
+        held = ray.get(
+            [
+                a.__ray_call__.remote(lambda _: ray.get_runtime_context().get_assigned_resources())
+                for a in actors
+            ],
+            timeout=120,
+        )
+    finally:
+        ray.kill(host, no_restart=True)  # its aggregators die with it (it owns them)
+    for resources in held:
+        assert resources.get("node:127.0.0.1") == pytest.approx(0.001), resources
+        assert not resources.get("CPU"), resources

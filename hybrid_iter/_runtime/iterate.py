@@ -68,6 +68,7 @@ from .._errors import (
 from .._result import IterationResult
 from .._session import Session
 from .._streams import ReplayableDataStreamList, _is_dataframe
+from .feedback_combine import tree_spec
 from .metrics import RunMeter, bounded_description, bounded_meter
 from .placement import (
     actor_class,
@@ -81,7 +82,6 @@ from .progress import ProgressPrinter
 from .ray_util import NAMESPACE
 from .shipping import dumps
 from .task import TaskPlan, run_round, run_subtask
-from .tree import tree_spec
 
 __all__ = ["iterate_bounded_streams_until_termination"]
 
