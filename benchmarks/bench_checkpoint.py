@@ -1,5 +1,5 @@
-"""Checkpoint cost (authenticated, issue 15) and recovery time after a task failure and a
-coordinator kill (issues 5 and 15).
+"""Checkpoint cost (authenticated) and recovery time after a task failure and a
+coordinator kill.
 
     python benchmarks/bench_checkpoint.py
     python benchmarks/bench_checkpoint.py --epochs 20 --repeats 2   # quicker
@@ -15,7 +15,7 @@ model of M float64 values every epoch (M = 1,000 and 1,000,000):
   every 5 epochs): extra wall time over the fault-free run with the same checkpoints;
   and the same with the coordinator's process killed at the middle epoch (Ray restarts
   it, it reloads the checkpoint, the stage is relaunched).
-* ``store``: the checkpoint file alone, side by side: the format before issue 15 (one
+* ``store``: the checkpoint file alone, side by side: an unauthenticated format (one
   pickle + sha256) against the authenticated one (numeric arrays as .npy + HMAC-SHA256),
   encoding and writing the same checkpoint dict to the same local disk.
 
@@ -71,7 +71,8 @@ def run(spark, size, epochs, **config):
 
 
 def _old_format_save(directory: str, data: dict) -> None:
-    """The checkpoint file as written before issue 15: pickle, sha256, temp + rename."""
+    """An unauthenticated checkpoint file, the baseline of the authenticated one: pickle,
+    sha256, temp + rename."""
     payload = pickle.dumps(data, protocol=5)
     blob = b"HICKPT1\n" + hashlib.sha256(payload).digest() + struct.pack("<Q", len(payload))
     tmp = os.path.join(directory, ".chk.tmp")
@@ -196,7 +197,7 @@ def main() -> None:
                 f"ms per checkpoint in the coordinator); recovery from a task failure "
                 f"{m['recovery_s']:.2f} s, from a coordinator kill "
                 f"{m['coordinator_kill_recovery_s']:.2f} s; checkpoint file alone: "
-                f"{m['store']['old_s'] * 1e3:.2f} ms before issue 15, "
+                f"{m['store']['old_s'] * 1e3:.2f} ms unauthenticated, "
                 f"{m['store']['authenticated_s'] * 1e3:.2f} ms authenticated "
                 f"(x{m['store']['ratio']:.2f})",
                 flush=True,

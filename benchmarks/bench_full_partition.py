@@ -1,4 +1,4 @@
-"""Issue 6 benchmark: full-partition processing (FLIP-380) against Spark's own operators.
+"""Full-partition processing (FLIP-380) against Spark's own operators.
 
     python benchmarks/bench_full_partition.py                    # 10,000,000 rows, 2 cores
     python benchmarks/bench_full_partition.py --rows 2000000     # quicker

@@ -1,4 +1,4 @@
-"""Issue 2 benchmark: sync epochs vs a numpy loop vs Spark MLlib, and framework overhead.
+"""Sync epochs vs a numpy loop vs Spark MLlib, and framework overhead.
 
     python benchmarks/bench_iteration.py                 # 1,000,000 x 50, 2 partitions
     python benchmarks/bench_iteration.py --rows 200000   # quicker

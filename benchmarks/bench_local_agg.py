@@ -1,4 +1,4 @@
-"""Issue 7 benchmark: a Python AggregateFunction through local_key_by vs Spark's own paths.
+"""A Python AggregateFunction through local_key_by vs Spark's own paths.
 
     python benchmarks/bench_local_agg.py                       # 10,000,000 rows, Zipf(1.2) over 100,000 keys
     python benchmarks/bench_local_agg.py --rows 2000000        # quicker

@@ -1,4 +1,4 @@
-"""Issue 3 benchmark: a replayed round vs an all-round epoch vs a Spark MLlib iteration.
+"""A replayed round vs an all-round epoch vs a Spark MLlib iteration.
 
     python benchmarks/bench_replay.py                  # 1,000,000 x 50, 2 partitions
     python benchmarks/bench_replay.py --rows 200000    # quicker

@@ -1,4 +1,4 @@
-"""Issue 19 benchmark: how the coordinator's per-epoch cost grows with the number of
+"""How the coordinator's per-epoch cost grows with the number of
 subtasks N and the feedback size, flat (every subtask sends its feedback to the actor)
 against tree aggregation (``IterationBody(feedback_combine="sum")``, fan-in 32); and the
 variables fan-out of one object-store put per version to N subtasks.

@@ -1,4 +1,4 @@
-"""Issue 8 benchmark: a keyed map side input vs a broadcast of the same view vs a join.
+"""A keyed map side input vs a broadcast of the same view vs a join.
 
     python benchmarks/bench_side_inputs.py                              # 10,000,000 x 10,000,000
     python benchmarks/bench_side_inputs.py --rows 1000000 --entries 1000000   # quicker

@@ -223,7 +223,7 @@ def test_online_config_arguments():
         hi.OnlineConfig(on_outputs=3)  # type: ignore[arg-type]
 
 
-# -- issue 16: bad files, corrupt checkpoints, bounded state, stop, SIGKILL ----------------
+# -- bad files, corrupt checkpoints, bounded state, stop, SIGKILL ---------------------------
 
 
 def _hybrid_files(ckpt):
@@ -345,7 +345,7 @@ def test_state_stays_bounded_and_stop_drains(spark, tmp_path):
     assert len(_hybrid_files(ckpt)) <= 4
 
 
-def test_online_config_issue16_arguments():
+def test_online_config_rejects_bad_journal_and_state_arguments():
     with pytest.raises(hi.IterationConfigError, match="on_corrupt_checkpoint"):
         hi.OnlineConfig(on_corrupt_checkpoint="ignore")
     with pytest.raises(hi.IterationConfigError, match="parquet_reader"):
