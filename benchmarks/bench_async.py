@@ -1,4 +1,4 @@
-"""Issue 10 benchmark: async and bounded staleness vs sync with one subtask slowed 3x.
+"""Async and bounded staleness vs sync with one subtask slowed 3x.
 
     python benchmarks/bench_async.py                  # 1,000,000 x 50 logistic regression
     python benchmarks/bench_async.py --rows 200000    # quicker
@@ -41,26 +41,32 @@ from _harness import write_report  # noqa: E402
 import hybrid_iter as hi  # noqa: E402
 from hybrid_iter import ml  # noqa: E402
 from hybrid_iter.ml.linear import logistic_terms  # noqa: E402
-from hybrid_iter.testing import Straggler  # noqa: E402
+from hybrid_iter.testing import CombinedHooks, Straggler, TraceVersions  # noqa: E402
 
 MODES = (("async", None), ("ssp", 1), ("ssp", 2), ("ssp", 4))
 
 
-def exact(result, X, y):
+def traced_fit(est, df, straggler):
+    """``est`` fitted with ``straggler`` slowing one subtask, and every version it
+    published with its time (``TraceVersions``)."""
+    with tempfile.TemporaryDirectory(prefix="bench_async_trace_") as trace:
+        hooks = CombinedHooks((Straggler(*straggler), TraceVersions(directory=trace)))
+        model = est._fit(df, hooks=hooks)
+        return model, TraceVersions.read(trace)
+
+
+def exact(result, versions, X, y):
     """``result`` with its ``loss`` and ``loss_trace`` replaced by the exact log loss of
-    every published version (from its ``weights_trace``)."""
+    every published version (``versions``: what ``TraceVersions.read`` returns)."""
     from coordinator import OutputRecord
 
-    records, trace = [], []
-    for rec in result.output_records:
-        if rec.tag == "weights_trace":
-            seconds, w, b = rec.value
-            loss = log_loss(X, y, w, b)
-            records.append(OutputRecord("loss", rec.epoch, rec.source, loss))
-            trace.append((seconds, loss))
-        elif rec.tag not in ("loss", "loss_trace"):
-            records.append(rec)
-    outputs = {k: v for k, v in result.outputs.items() if k not in ("loss", "weights_trace")}
+    records = [rec for rec in result.output_records if rec.tag not in ("loss", "loss_trace")]
+    trace = []
+    for seconds, epoch, variables in versions:
+        loss = log_loss(X, y, variables["coef"], float(variables["intercept"]))
+        records.append(OutputRecord("loss", epoch, "coordinator", loss))
+        trace.append((seconds, loss))
+    outputs = {k: v for k, v in result.outputs.items() if k != "loss"}
     outputs["loss"] = [r.value for r in records if r.tag == "loss"]
     outputs["loss_trace"] = trace
     return replace(result, outputs=outputs, output_records=records)
@@ -125,10 +131,10 @@ def main() -> None:
         targets = []
         last = {}
         for r in range(args.repeats):
-            sync = base.replace(max_iter=args.target_epochs, tol=-1.0)._fit(
-                df, hooks=Straggler(*straggler), trace_weights=True
+            sync, versions = traced_fit(
+                base.replace(max_iter=args.target_epochs, tol=-1.0), df, straggler
             )
-            scored = exact(sync.result, X, y)
+            scored = exact(sync.result, versions, X, y)
             target = scored.outputs["loss"][-1]
             targets.append(target)
             times["sync"].append(time_to(scored, target))
@@ -146,9 +152,9 @@ def main() -> None:
                     max_iter=3 * args.target_epochs,
                 )
                 t = time.perf_counter()
-                model = est._fit(df, hooks=Straggler(*straggler), trace_weights=True)
+                model, versions = traced_fit(est, df, straggler)
                 wall = time.perf_counter() - t
-                result = exact(model.result, X, y)
+                result = exact(model.result, versions, X, y)
                 reached = time_to(result, target)
                 times.setdefault(name, []).append(reached)
                 epochs.setdefault(name, []).append(sum(model.result.feedback_counts.values()))

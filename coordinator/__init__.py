@@ -9,27 +9,29 @@ Never imports pyspark or hybrid_iter.
 
 from ._actor import IterationCoordinator
 from ._checkpoint import (
-    CheckpointCorrupt,
     CheckpointStore,
-    ForeignCheckpoint,
     LoadedCheckpoint,
     checkpoint_key,
     damaged_since,
     fingerprint_mismatch,
     previous_checkpoint_key,
 )
-from ._core import CoordinatorCore, CoreError
-from ._cut import CutError
+from ._core import CoordinatorCore
 from ._errors import (
+    CheckpointCorrupt,
     CheckpointEncodeError,
     CheckpointError,
     ConfigTypeError,
+    CoreError,
+    CutError,
     FeedbackShapeMismatch,
+    ForeignCheckpoint,
     HybridIterError,
     IterationConfigError,
     MissingCheckpoint,
     NonFiniteVariables,
     RemoteFailure,
+    StateMachineError,
     UnpicklableOperator,
     UsageError,
     ValueEncodeError,
@@ -47,7 +49,7 @@ from ._operator_api import (
 from ._protocol import Emissions, OutputRecord, Progress, Reply, ResultData
 from ._snapshots import CheckpointInfo
 from ._spec import CheckpointSpec, CoordinatorSpec
-from ._state import EpochCounts, EpochStateMachine, Release, StateMachineError, TerminationReason
+from ._state import EpochCounts, EpochStateMachine, Release, TerminationReason
 from ._variables import VariablesPayload, VariableSpec, VariablesStore, normalize_variables
 
 __all__ = [

@@ -37,8 +37,8 @@ from ._core import (
     UserCall,
     WriteCheckpoint,
 )
-from ._errors import RemoteFailure
-from ._host import OperatorHost, UserCodeFailed
+from ._errors import RemoteFailure, UserCodeFailed
+from ._host import OperatorHost
 from ._protocol import Emissions, Progress, Reply, ResultData
 from ._shell import (
     LOADING,
@@ -114,6 +114,7 @@ class IterationCoordinator:
             store=self.store,
             aligned=lambda: self.core.sm.aligned,
             progress_tag=spec.progress_tag,
+            hooks=spec.hooks,
         )
         self._progress = ProgressWaiters()
         self._alignment_times: list[float] = []

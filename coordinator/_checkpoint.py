@@ -70,8 +70,9 @@ import pyarrow.fs as pafs
 import storage_uri
 
 from ._errors import (
+    CheckpointCorrupt,
     CheckpointEncodeError,
-    CheckpointError,
+    ForeignCheckpoint,
     IterationConfigError,
     UnpicklableOperator,
 )
@@ -80,9 +81,7 @@ from ._operator_api import overrides
 __all__ = [
     "KEY_ENV",
     "PREVIOUS_KEY_ENV",
-    "CheckpointCorrupt",
     "CheckpointStore",
-    "ForeignCheckpoint",
     "LoadedCheckpoint",
     "checkpoint_key",
     "damaged_since",
@@ -107,14 +106,6 @@ PREVIOUS_KEY_ENV = "HYBRID_ITER_CHECKPOINT_PREVIOUS_KEY"
 KEY_FILE_ENV = "HYBRID_ITER_CHECKPOINT_KEY_FILE"
 _MAGIC = b"HICKPT3\n"
 _TAG = 32
-
-
-class CheckpointCorrupt(CheckpointError, ValueError):
-    """A checkpoint or output file failed authentication or could not be read."""
-
-
-class ForeignCheckpoint(CheckpointError, ValueError):
-    """A checkpoint of another run (another run id or another fingerprint)."""
 
 
 @dataclass(frozen=True)
@@ -741,7 +732,7 @@ def damaged_since(skipped: Any, epoch: int) -> bool:
     return False
 
 
-# -- named records beside the checkpoints (the online journal; issue 16) ---------------------
+# -- named records beside the checkpoints (the online journal) ------------------------------
 # Small separate functions so the checkpoint framing above stays the one place that decides
 # how a file is sealed and checked: a record is written and read exactly like a checkpoint.
 

@@ -32,9 +32,15 @@ from typing import Any
 import numpy as np
 
 from ._cut import Cut, CutProtocol
-from ._errors import FeedbackShapeMismatch, HybridIterError, RemoteFailure
+from ._errors import (
+    CoreError,
+    FeedbackShapeMismatch,
+    RemoteFailure,
+    StateMachineError,
+    _FailureRecorded,
+)
 from ._protocol import Emissions, Reply
-from ._state import EpochStateMachine, StateMachineError
+from ._state import EpochStateMachine
 from ._variables import VariablesPayload
 
 __all__ = [
@@ -45,7 +51,6 @@ __all__ = [
     "ApplyCombined",
     "BeginAttempt",
     "CoordinatorCore",
-    "CoreError",
     "Done",
     "Emitted",
     "Fail",
@@ -66,10 +71,6 @@ __all__ = [
 
 #: the ``source`` of failures and outputs of the coordinator tier
 COORDINATOR = "coordinator"
-
-
-class CoreError(HybridIterError, RuntimeError):
-    """An event the core does not take now (a bug in the shell, not user input)."""
 
 
 # -- events ---------------------------------------------------------------------------------
@@ -291,10 +292,6 @@ Instruction = Answer | UserCall | WriteCheckpoint | Aligned | Fail | Notify
 _Flow = Generator[Instruction, Done | None, Any]
 
 
-class _UserCodeFailed(Exception):
-    """Internal: a user call (or a checkpoint write) failed; the failure is recorded."""
-
-
 class FeedbackShapes:
     """The i-th array a partition feeds back must have the shape of the first
     partition's i-th: summing (3,) and (1, 3) broadcasts to a silent wrong answer."""
@@ -397,7 +394,7 @@ class CoordinatorCore:
             if event.failure is None:
                 return self._drive(flow, out, None)
             out += self._fail(event.failure)
-            return self._drive(flow, out, _UserCodeFailed())
+            return self._drive(flow, out, _FailureRecorded())
         if self._flow is not None:
             raise CoreError(f"{type(event).__name__} while a user call's outcome is awaited")
         handler = self._handlers.get(type(event))
@@ -472,7 +469,7 @@ class CoordinatorCore:
             self.cut.offer_state(ev.pid, ev.call, ev.known_version, ev.offered[0], self.sm.aligned)
         try:
             yield from self._advance()
-        except _UserCodeFailed:
+        except _FailureRecorded:
             pass
         yield from self._release()
 
@@ -484,7 +481,7 @@ class CoordinatorCore:
             yield from self._accept(pid, ev.call, known_version, em, rows, ev.attempt, slot)
         try:
             yield from self._advance()
-        except _UserCodeFailed:
+        except _FailureRecorded:
             pass
         # sync only: a call is released by an alignment, termination or a checkpoint, or
         # at once when its epoch is already aligned (after a restore); else the O(N)
@@ -523,7 +520,7 @@ class CoordinatorCore:
                 self._final.clear()
                 yield Terminate(last, outputs)
                 self.closed = True
-        except _UserCodeFailed:
+        except _FailureRecorded:
             pass
         except StateMachineError as ex:
             yield from self._fail(
@@ -596,7 +593,7 @@ class CoordinatorCore:
                     self._take_partial(pid, call, em)
                 if self.cut.on_report(pid, call, em):  # else: held for the alignment
                     yield from self._apply(pid, max(call - 1, 0), em)
-        except _UserCodeFailed:
+        except _FailureRecorded:
             pass
         return True
 
@@ -620,7 +617,7 @@ class CoordinatorCore:
         failure = self._shapes.check(pid, epoch, em.feedback)
         if failure is not None:
             yield from self._fail(failure)
-            raise _UserCodeFailed
+            raise _FailureRecorded
         self.feedback_counts[pid] += em.feedback_count
         if em.feedback or em.round_feedback or em.outputs:
             yield Apply(epoch, pid, em, terminating)
@@ -673,7 +670,7 @@ class CoordinatorCore:
                 cut = self.cut.take()
                 try:
                     yield WriteCheckpoint(cut.epoch, self._checkpoint_state(cut))
-                except _UserCodeFailed:
+                except _FailureRecorded:
                     return
         last_round = self.sm.terminating_round
         answers: dict[tuple[int, bool, bool], list[Any]] = {}

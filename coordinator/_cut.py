@@ -28,13 +28,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import HybridIterError, IterationConfigError
+from ._errors import CutError, IterationConfigError
 
-__all__ = ["Cut", "CutError", "CutProtocol", "SubtaskCut"]
-
-
-class CutError(HybridIterError, RuntimeError):
-    """An event the cut protocol does not allow (a bug in the shell, not user input)."""
+__all__ = ["Cut", "CutProtocol", "SubtaskCut"]
 
 
 @dataclass(frozen=True)
@@ -96,7 +92,6 @@ class CutProtocol:
         #: sync: states sent with a call ahead of its cut (by subtask)
         self._offered: dict[int, SubtaskCut] = {}
         self._restored: dict[int, SubtaskCut] = {}
-        self.restored_epoch: int | None = None
 
     # -- fencing --------------------------------------------------------------------------
 
@@ -214,7 +209,6 @@ class CutProtocol:
         self._restored = dict(cut.subtasks)
         self._buffered = {k: dict(v) for k, v in cut.unapplied.items()}
         self._pending, self._states, self._offered = None, {}, {}
-        self.restored_epoch = cut.epoch
 
     def instruction(self, pid: int) -> SubtaskCut | None:
         """What relaunched subtask ``pid`` restores (None: it starts from scratch)."""

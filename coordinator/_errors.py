@@ -1,8 +1,10 @@
-"""The errors both tiers raise, rooted in ``HybridIterError``; picklable.
+"""Every exception class of the coordinator package, rooted in ``HybridIterError``;
+picklable.
 
 This module imports neither pyspark nor Ray nor ``hybrid_iter``, so the coordinator
 tier can raise them and ``hybrid_iter._errors`` re-exports the same classes (the whole
-tree is drawn there).
+tree is drawn there). The modules that raise them import them from here; no other
+module of the package defines an exception class (``tests/test_layout.py`` checks it).
 """
 
 from __future__ import annotations
@@ -10,17 +12,25 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "CheckpointCorrupt",
     "CheckpointEncodeError",
     "CheckpointError",
     "ConfigTypeError",
+    "CoreError",
+    "CutError",
     "FeedbackShapeMismatch",
+    "ForeignCheckpoint",
     "HybridIterError",
     "IterationConfigError",
     "MissingCheckpoint",
+    "NonFiniteGradient",
     "NonFiniteVariables",
     "RemoteFailure",
+    "StaleShardCall",
+    "StateMachineError",
     "UnpicklableOperator",
     "UsageError",
+    "UserCodeFailed",
     "ValueEncodeError",
     "VariablesMismatchError",
 ]
@@ -68,6 +78,14 @@ class MissingCheckpoint(CheckpointError, RuntimeError):
     """A restore did not find the checkpoint it must find (a node-local path?)."""
 
 
+class CheckpointCorrupt(CheckpointError, ValueError):
+    """A checkpoint or output file failed authentication or could not be read."""
+
+
+class ForeignCheckpoint(CheckpointError, ValueError):
+    """A checkpoint of another run (another run id or another fingerprint)."""
+
+
 class VariablesMismatchError(HybridIterError, ValueError):
     """``publish_variables`` named a variable that does not exist or gave a wrong shape."""
 
@@ -79,6 +97,33 @@ class NonFiniteVariables(VariablesMismatchError):
 class FeedbackShapeMismatch(VariablesMismatchError):
     """Partitions fed back arrays of different shapes (a sum would broadcast them); a
     relaunch would meet them again, so it is not retried."""
+
+
+class NonFiniteGradient(NonFiniteVariables, FloatingPointError):
+    """A gradient holding NaN or infinity, refused before any shard applied any of it:
+    by the ``ps.train`` worker that computed it (which names the parameter and index),
+    or by the shard a ``Sparse`` push reached. Not retried (a ``VariablesMismatchError``):
+    the same parameters and data give the same gradient again."""
+
+
+class StaleShardCall(HybridIterError, RuntimeError):
+    """A call of a task whose launch is over: the shards were reset or restored since
+    (or the shard was restarted and is not restored yet). Nothing of it was applied."""
+
+
+# -- the coordinator's own bugs: an event its protocol does not allow, never user input --
+
+
+class StateMachineError(HybridIterError, RuntimeError):
+    """An event that the epoch state machine does not allow (a bug in the shell)."""
+
+
+class CutError(HybridIterError, RuntimeError):
+    """An event the cut protocol does not allow (a bug in the shell, not user input)."""
+
+
+class CoreError(HybridIterError, RuntimeError):
+    """An event the core does not take now (a bug in the shell, not user input)."""
 
 
 class RemoteFailure(HybridIterError):
@@ -145,3 +190,20 @@ class RemoteFailure(HybridIterError):
         except Exception:
             cause = None
         return cls(source, epoch, where, type(exc).__name__, str(exc), text, cause)
+
+
+# -- signals inside the coordinator: never raised to a user -------------------------------
+
+
+class UserCodeFailed(Exception):
+    """User code the operator host ran raised; ``failure`` says where and what. The
+    actor and the online coordinator turn it into a failed iteration."""
+
+    def __init__(self, failure: RemoteFailure) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
+
+
+class _FailureRecorded(Exception):
+    """The core's flow unwinds: a user call (or a checkpoint write) failed and the core
+    already recorded the failure."""

@@ -9,6 +9,9 @@ actor, so it must pickle and hold only plain data.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 __all__ = ["RuntimeHooks"]
 
 
@@ -31,6 +34,16 @@ class RuntimeHooks:
     def after_epoch_compute(self, partition: int, seconds: float) -> None:
         """Spark task (the ``hybrid_iter.ml`` estimators): subtask ``partition`` spent
         ``seconds`` computing this epoch's feedback (loading excluded)."""
+
+    def after_array_lookup(self, store: Any) -> None:
+        """Driver (the ``hybrid_iter.ml`` estimators): a fit has decided to read arrays
+        the array cache kept; ``store`` is the cache's Ray actor handle. The fit's tasks
+        have not read yet."""
+
+    def after_publish(self, epoch: int, variables: Mapping[str, Any]) -> None:
+        """Ray coordinator actor: the coordinator operator has just published
+        ``variables`` (a new version) at ``epoch``; the arrays are the operator's, not a
+        copy (read them, do not keep or change them)."""
 
     def after_batch(self, batch_id: int, *, resumed: bool) -> None:
         """Driver (``iterate_unbounded_streams``): micro-batch ``batch_id`` is committed

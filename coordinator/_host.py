@@ -27,21 +27,14 @@ from ._core import (
     UserCall,
     Watermark,
 )
-from ._errors import NonFiniteVariables, RemoteFailure, ValueEncodeError
+from ._errors import NonFiniteVariables, RemoteFailure, UserCodeFailed, ValueEncodeError
+from ._hooks import RuntimeHooks
 from ._operator_api import CoordinatorCollector, CoordinatorContext, overrides
 from ._protocol import Emissions, OutputRecord
 from ._tree import fold
 from ._variables import VariablesStore
 
-__all__ = ["OperatorHost", "UserCodeFailed"]
-
-
-class UserCodeFailed(Exception):
-    """User code raised; ``failure`` says where and what."""
-
-    def __init__(self, failure: RemoteFailure) -> None:
-        super().__init__(str(failure))
-        self.failure = failure
+__all__ = ["OperatorHost"]
 
 
 class OperatorHost:
@@ -57,8 +50,10 @@ class OperatorHost:
         store: VariablesStore,
         aligned: Callable[[], int],
         progress_tag: str = "loss",
+        hooks: RuntimeHooks | None = None,
     ) -> None:
         self.store = store
+        self.hooks = hooks
         self.ctx = CoordinatorContext(num_subtasks, staleness, store, aligned)
         self.out = CoordinatorCollector(self, has_criteria)
         self.listener_out = CoordinatorCollector(self, has_criteria, from_listener=True)
@@ -235,6 +230,8 @@ class OperatorHost:
                 )
         self.store.publish(variables)
         self._counts.append((self.ctx.epoch, 1, 0))
+        if self.hooks is not None:
+            self.hooks.after_publish(self.ctx.epoch, variables)
 
     def output(self, tag: str, value: Any, *, from_listener: bool) -> None:
         self.route(tag, self.ctx.epoch, COORDINATOR, value, from_listener)

@@ -40,8 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._checkpoint import (
-    CheckpointCorrupt,
-    ForeignCheckpoint,
     LoadedCheckpoint,
     delete_name,
     list_names,
@@ -49,8 +47,8 @@ from ._checkpoint import (
     write_record,
 )
 from ._core import COORDINATOR, Apply, FeedbackShapes, Watermark
-from ._errors import RemoteFailure
-from ._host import OperatorHost, UserCodeFailed
+from ._errors import CheckpointCorrupt, ForeignCheckpoint, RemoteFailure, UserCodeFailed
+from ._host import OperatorHost
 from ._protocol import Emissions, OutputRecord, Progress, ResultData
 from ._shell import LOADING, ProgressWaiters, object_store, startup_failure
 from ._snapshots import Snapshots
@@ -256,6 +254,7 @@ class OnlineCoordinator:
             store=self.store,
             aligned=lambda: self.ledger.round,  # rounds before the current one are complete
             progress_tag=spec.progress_tag,
+            hooks=spec.hooks,
         )
         self.failures: list[RemoteFailure] = []
         self.feedback_counts: Counter[int] = Counter()  # partitions vary between batches

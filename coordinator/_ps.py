@@ -52,12 +52,13 @@ from typing import Any
 
 import numpy as np
 
-from ._checkpoint import CheckpointCorrupt, CheckpointStore, read_record, write_record
+from ._checkpoint import CheckpointStore, read_record, write_record
 from ._errors import (
+    CheckpointCorrupt,
     CheckpointError,
-    HybridIterError,
     IterationConfigError,
-    NonFiniteVariables,
+    NonFiniteGradient,
+    StaleShardCall,
     UsageError,
 )
 from ._finite import first_nonfinite
@@ -72,26 +73,12 @@ __all__ = [
     "AdamRule",
     "FTRLRule",
     "FreeShard",
-    "NonFiniteGradient",
     "ParameterShard",
     "SGDRule",
     "ShardSpec",
-    "StaleShardCall",
     "make_rule",
     "shard_class",
 ]
-
-
-class NonFiniteGradient(NonFiniteVariables, FloatingPointError):
-    """A gradient holding NaN or infinity, refused before any shard applied any of it:
-    by the ``ps.train`` worker that computed it (which names the parameter and index),
-    or by the shard a ``Sparse`` push reached. Not retried (a ``VariablesMismatchError``):
-    the same parameters and data give the same gradient again."""
-
-
-class StaleShardCall(HybridIterError, RuntimeError):
-    """A call of a task whose launch is over: the shards were reset or restored since
-    (or the shard was restarted and is not restored yet). Nothing of it was applied."""
 
 
 @dataclass(frozen=True)

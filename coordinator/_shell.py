@@ -9,16 +9,21 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from ._checkpoint import ForeignCheckpoint
 from ._core import COORDINATOR
-from ._errors import MissingCheckpoint, RemoteFailure, UnpicklableOperator
-from ._host import UserCodeFailed
+from ._errors import (
+    ForeignCheckpoint,
+    MissingCheckpoint,
+    RemoteFailure,
+    UnpicklableOperator,
+    UserCodeFailed,
+)
 
 __all__ = [
     "LOADING",
     "ProgressWaiters",
     "node_ip",
     "object_store",
+    "quiet_get",
     "startup_failure",
     "was_reconstructed",
 ]
@@ -87,13 +92,13 @@ def object_store(
         import ray
     except ImportError:  # pragma: no cover - ray is a dependency
         return None, None
-    return (ray.put, _get_own) if ray.is_initialized() else (None, None)
+    return (ray.put, quiet_get) if ray.is_initialized() else (None, None)
 
 
-def _get_own(ref: Any) -> Any:
-    """``ray.get`` of an object this actor has just put (a published version): a local
-    read that does not block the event loop, so Ray's once-per-process warning about
-    blocking gets inside async actors stays for the user's code."""
+def quiet_get(ref: Any) -> Any:
+    """``ray.get`` inside an async actor without Ray's once-per-process warning about
+    blocking gets: for a read that does not block the event loop (an object this actor
+    has just put, a published version), so the warning stays for the user's code."""
     import ray
 
     try:

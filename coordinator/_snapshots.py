@@ -16,12 +16,11 @@ from typing import Any, TypedDict
 
 from ._checkpoint import (
     CheckpointStore,
-    ForeignCheckpoint,
     LoadedCheckpoint,
     damaged_since,
     fingerprint_mismatch,
 )
-from ._errors import MissingCheckpoint
+from ._errors import ForeignCheckpoint, MissingCheckpoint
 from ._host import OperatorHost
 from ._variables import VariablesStore
 

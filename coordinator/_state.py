@@ -36,54 +36,25 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import HybridIterError
+from ._errors import StateMachineError
 
-__all__ = ["EpochCounts", "EpochStateMachine", "Release", "StateMachineError", "TerminationReason"]
+__all__ = ["EpochCounts", "EpochStateMachine", "Release", "TerminationReason"]
 
 
 class TerminationReason(str, enum.Enum):
     """Why an iteration ended (``IterationResult.terminated_by``).
 
     ``NO_VARIABLES_PUBLISHED`` (``"no_variables_published"``): nothing was fed back, i.e.
-    the coordinator tier published no variables into the next epoch. Its former name
-    ``"no_feedback"`` is still accepted: ``TerminationReason.NO_FEEDBACK`` is the same
-    member, ``TerminationReason("no_feedback")`` returns it, and it compares equal to
-    both strings (``result.terminated_by == "no_feedback"`` stays true).
+    the coordinator tier published no variables into the next epoch. A member compares
+    equal to its value (``result.terminated_by == "criteria"``).
     """
 
     CRITERIA = "criteria"
     NO_VARIABLES_PUBLISHED = "no_variables_published"
     MAX_EPOCHS = "max_epochs"
-    #: the former name of ``NO_VARIABLES_PUBLISHED`` (an alias: the same member)
-    NO_FEEDBACK = "no_variables_published"
 
     def __str__(self) -> str:
         return self.value
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, str) and not isinstance(other, TerminationReason):
-            return other == self.value or _FORMER_NAMES.get(other) == self.value
-        return self is other
-
-    def __ne__(self, other: object) -> bool:
-        return not self.__eq__(other)
-
-    def __hash__(self) -> int:
-        return hash(self.value)
-
-    @classmethod
-    def _missing_(cls, value: object) -> TerminationReason | None:
-        if isinstance(value, str) and value in _FORMER_NAMES:
-            return cls(_FORMER_NAMES[value])
-        return None
-
-
-#: reasons renamed since they were first published: old string -> current value
-_FORMER_NAMES = {"no_feedback": "no_variables_published"}
-
-
-class StateMachineError(HybridIterError, RuntimeError):
-    """An event that the protocol does not allow (a bug in the shell, not user input)."""
 
 
 @dataclass

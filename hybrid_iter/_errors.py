@@ -1,5 +1,13 @@
 """The exception tree of hybrid_iter, in one place.
 
+Where the classes live: every exception class of a package is defined in that package's
+``_errors.py`` (``hybrid_iter/_errors.py``, ``coordinator/_errors.py``,
+``spark_ops/_errors.py``, ``spark_ops/side_inputs/_errors.py``) and nowhere else;
+``tests/test_layout.py`` fails on a class defined in another module. The modules that
+raise them import them from there, and the public modules re-export them where users
+import them (``hybrid_iter``, ``hybrid_iter.ps``, ``hybrid_iter.cli``,
+``hybrid_iter.testing``, ``hybrid_iter.ml``, ``coordinator``, ``spark_ops``).
+
 ::
 
     HybridIterError                          every error hybrid_iter and its coordinator
@@ -17,10 +25,12 @@
     ├── IterationFailedError (RuntimeError)  user code failed in a Spark task or in the
     │   │                                    coordinator; ``failures`` maps the partition
     │   │                                    id (or "coordinator") to a RemoteFailure
-    │   └── WorkerDiedError                  a Spark Python worker running a subtask died
-    │                                        (killed, out of memory, a native crash): no
-    │                                        exception of user code; the estimators and
-    │                                        ``ps.train`` relaunch once
+    │   ├── WorkerDiedError                  a Spark Python worker running a subtask died
+    │   │                                    (killed, out of memory, a native crash): no
+    │   │                                    exception of user code; the estimators and
+    │   │                                    ``ps.train`` relaunch once
+    │   └── TrainFailedError                 ``ps.train`` failed; ``params``: what the
+    │                                        shards held when it stopped
     ├── SessionError (RuntimeError)          no session, or a session that cannot start
     ├── StoredArraysLost (RuntimeError)      the array cache lost what a fit was to read
     │                                        (the fit reads from Spark instead)
@@ -29,9 +39,15 @@
     │                                        stream, ``LBFGS.tell()`` once finished)
     ├── VariablesMismatchError (ValueError)  publish_variables() with an unknown name or
     │   ├── NonFiniteVariables               a wrong shape, NaN/inf values; partitions
-    │   └── FeedbackShapeMismatch            feeding back arrays of different shapes
-    │                                        (these arrive as the cause inside
-    │                                        IterationFailedError)
+    │   │   └── NonFiniteGradient            feeding back arrays of different shapes
+    │   │       (FloatingPointError)         (these arrive as the cause inside
+    │   └── FeedbackShapeMismatch            IterationFailedError); a ps gradient with
+    │                                        NaN/inf, refused before any shard applied it
+    ├── ShardLost (RuntimeError)             a parameter shard's process ended under a
+    │                                        ps task (the run relaunches and restores)
+    ├── ShardsUnavailable (RuntimeError)     a restarted shard is not restored yet
+    ├── StaleShardCall (RuntimeError)        a shard call of a launch that is over;
+    │                                        nothing of it was applied
     ├── ModelExistsError (FileExistsError)   ``model.save(path)`` where a model is saved
     │                                        already (``overwrite=True`` replaces it)
     ├── ModelNotFoundError                   ``Model.load(path)`` of a path holding no
@@ -51,8 +67,11 @@
     │   ├── MissingCheckpoint (RuntimeError) a restore found less than was written
     │   └── OnlineCheckpointError            an online restart cannot restore every
     │       (RuntimeError)                   batch Spark committed
-    ├── CutError (RuntimeError)              the coordinator's cut protocol saw an event
-    │                                        it does not allow (a bug, not user input)
+    ├── StateMachineError, CutError,         the coordinator's epoch state machine, cut
+    │   CoreError (RuntimeError)             protocol or core saw an event it does not
+    │                                        allow (a bug, not user input)
+    ├── InjectedFault (RuntimeError)         test-only: ``FaultInjection`` made a subtask
+    │                                        fail (``hybrid_iter.testing`` re-exports it)
     └── RemoteFailure                        one failure of user code, with where, epoch
                                              and the original traceback
 
@@ -61,22 +80,30 @@
     ├── PartitionFunctionError               here; the whole tree is drawn in
     ├── UserFunctionError (PythonException)  ``spark_ops/_errors.py``. It is its own root
     ├── NonMergeableAggregateError           because spark_ops is usable without
-    └── SideInputError                       hybrid_iter.
+    ├── UnsupportedSparkVersion              hybrid_iter.
+    └── SideInputError
 
-The classes the coordinator tier raises are defined in ``coordinator._errors`` (and next
-to the code that raises them in ``coordinator``), which imports neither pyspark nor
-hybrid_iter; this module re-exports the same classes, so ``hybrid_iter.HybridIterError``
-is ``coordinator.HybridIterError``. The builtin bases stay, so ``except ValueError`` /
-``except TypeError`` / ``except RuntimeError`` written for the earlier, builtin errors
-still catches them. Test-only errors (``InjectedFault``) live in ``hybrid_iter.testing``.
-All of them pickle (they cross Spark and Ray process boundaries).
+    ConvergenceWarning (UserWarning)         a fit stopped at ``max_iter`` before ``tol``
+
+    Signals that never reach a user (private to their tier): ``_Aborted`` (a subtask
+    stops because another participant failed first), ``coordinator`` ``UserCodeFailed``
+    (the operator host's user code raised; carries the RemoteFailure) and
+    ``_FailureRecorded`` (the core's flow unwinds after recording a failure).
+
+The classes the coordinator tier raises are defined in ``coordinator._errors``, which
+imports neither pyspark nor hybrid_iter; this module re-exports the same classes, so
+``hybrid_iter.HybridIterError`` is ``coordinator.HybridIterError``. The builtin bases
+stay, so ``except ValueError`` / ``except TypeError`` / ``except RuntimeError`` catch
+them as they catch the builtin errors. All of them pickle (they cross Spark and Ray
+process boundaries).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
-from coordinator import (
+from coordinator._errors import (
     CheckpointEncodeError,
     CheckpointError,
     ConfigTypeError,
@@ -87,22 +114,28 @@ from coordinator import (
     ValueEncodeError,
     VariablesMismatchError,
 )
-from spark_ops import SparkOpsError, UserFunctionError
+from spark_ops._errors import SparkOpsError, UserFunctionError
 
 __all__ = [
     "CheckpointEncodeError",
     "CheckpointError",
+    "CliError",
     "ConfigTypeError",
+    "ConvergenceWarning",
     "DataValidationError",
     "HybridIterError",
+    "InjectedFault",
     "IterationConfigError",
     "IterationFailedError",
     "ModelExistsError",
     "ModelNotFoundError",
     "RemoteFailure",
     "SessionError",
+    "ShardLost",
+    "ShardsUnavailable",
     "SparkOpsError",
     "StoredArraysLost",
+    "TrainFailedError",
     "UsageError",
     "UserFunctionError",
     "ValueEncodeError",
@@ -203,3 +236,49 @@ class ModelExistsError(HybridIterError, FileExistsError):
 class ModelNotFoundError(HybridIterError, FileNotFoundError):
     """``Model.load(path)`` of a path that holds no saved model; also a
     ``FileNotFoundError``."""
+
+
+class TrainFailedError(IterationFailedError):
+    """``ps.train`` failed (a ``IterationFailedError``: ``failures`` as there).
+
+    ``params``: the parameters the shards held when the training stopped, in ``init``'s
+    structure (tables as ``TableRef``: their shards are kept for it): every update
+    applied before the failure and nothing of the step that failed (a step is checked
+    whole on its worker before any shard receives a slice of it); None when a shard
+    could not be read (it was lost)."""
+
+    def __init__(
+        self, message: str, failures: Mapping[int | str, BaseException], params: Any
+    ) -> None:
+        super().__init__(message, failures)
+        self.params = params
+
+    def __reduce__(self) -> tuple[type[TrainFailedError], tuple[Any, ...]]:
+        return (TrainFailedError, (self.message, self.failures, self.params))
+
+
+class ShardLost(HybridIterError, RuntimeError):
+    """A parameter shard's process ended while a task called it; with checkpoints (or
+    ``max_restarts``) the run is relaunched and the shards restored."""
+
+
+class ShardsUnavailable(HybridIterError, RuntimeError):
+    """The shards cannot serve this task yet (a restarted shard not restored)."""
+
+
+class CliError(HybridIterError, ValueError):
+    """A bad flag or environment variable; the message names it and the fix."""
+
+
+class InjectedFault(HybridIterError, RuntimeError):
+    """Raised by ``FaultInjection(fail_partition=...)`` in a Spark task, for tests
+    (re-exported by ``hybrid_iter.testing``, where tests import it)."""
+
+
+class ConvergenceWarning(UserWarning):
+    """A fit stopped at ``max_iter`` before meeting ``tol`` (a warning, not an error)."""
+
+
+class _Aborted(Exception):
+    """A subtask's signal inside its Spark task: the coordinator answered with another
+    participant's failure, so the subtask stops without reporting a failure of its own."""

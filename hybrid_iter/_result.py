@@ -25,8 +25,7 @@ class IterationResult:
       ``"coordinator"``).
     * ``epochs``: epochs completed by every subtask (the last global alignment).
     * ``terminated_by``: a ``TerminationReason`` (a ``str``): ``"criteria"``,
-      ``"no_variables_published"`` (nothing fed back; its former name ``"no_feedback"``
-      still compares equal) or ``"max_epochs"``.
+      ``"no_variables_published"`` (nothing fed back) or ``"max_epochs"``.
     * ``epoch_seconds``: wall time between consecutive global alignments.
     * ``subtask_epochs``: epochs each subtask ran (async: fast ones run more);
       ``feedback_counts``: feedback records of each subtask that the coordinator applied

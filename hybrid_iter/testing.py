@@ -12,41 +12,41 @@ hooks=...)``); the actions live here::
     online = hi.OnlineConfig(hooks=FaultInjection(kill_driver_after_batch=3))
     model = LogisticRegression(solver="sgd")._fit(df, hooks=Straggler(partition=1, factor=4))
     model = KMeans(k=3)._fit(df, hooks=PauseWorker(directory=d, partition=1, at_epoch=2))
+    hooks = CombinedHooks((Straggler(partition=1, factor=4), TraceVersions(directory=d)))
 
 Never use these in production: they end processes and sleep on purpose.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator import HybridIterError, RuntimeHooks
+import numpy as np
+
+from coordinator import RuntimeHooks
 
 from ._config import _is_int
-from ._errors import IterationConfigError
+from ._errors import InjectedFault, IterationConfigError, UsageError
 
 __all__ = [
     "EXIT_CODE",
+    "CombinedHooks",
     "FaultInjection",
     "InjectedFault",
+    "LoseKeptArrays",
     "PauseWorker",
     "RuntimeHooks",
     "Straggler",
-    "lose_kept_arrays",
+    "TraceVersions",
     "pause_worker",
 ]
 
 #: the status a process ended by a ``FaultInjection`` exits with
 EXIT_CODE = 17
-
-
-class InjectedFault(HybridIterError, RuntimeError):
-    """Raised by ``FaultInjection(fail_partition=...)`` in a Spark task, for tests."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,23 +171,94 @@ class PauseWorker(RuntimeHooks):
             pause_worker(self.directory, pauses=self.pauses, timeout=self.timeout)
 
 
-@contextlib.contextmanager
-def lose_kept_arrays() -> Iterator[list[str]]:
-    """Inside it, a fit that decided to read arrays the array cache kept finds them gone:
-    the store actor is killed (``ray.kill``, as from outside) right after the decision,
-    before the fit's tasks read. Yields the names of the killed stores."""
-    from ._runtime import array_store
+@dataclass(frozen=True, eq=False)
+class LoseKeptArrays(RuntimeHooks):
+    """A fit that decided to read arrays the array cache kept finds them gone: the store
+    actor is killed (``ray.kill``, as from outside) right after the decision, before the
+    fit's tasks read. The call is on the driver, so ``killed`` of the object passed to
+    ``_fit(df, hooks=...)`` lists the killed stores."""
 
-    killed: list[str] = []
+    killed: list[str] = field(default_factory=list)
 
-    def kill(handle: Any) -> None:
+    def after_array_lookup(self, store: Any) -> None:
         import ray
 
-        ray.kill(handle, no_restart=True)
-        killed.append(repr(handle))
+        ray.kill(store, no_restart=True)
+        self.killed.append(repr(store))
 
-    array_store._after_lookup = kill
-    try:
-        yield killed
-    finally:
-        array_store._after_lookup = None
+
+@dataclass(frozen=True)
+class TraceVersions(RuntimeHooks):
+    """Benchmarks: every version of the variables the coordinator operator publishes,
+    with when, and when each subtask began its first epoch, as files in ``directory``
+    (a path every process of the run writes to: a local run's). ``read(directory)``
+    returns them."""
+
+    directory: str
+
+    def before_watermark(self, partition: int, epoch: int, attempt: int) -> None:
+        if epoch == 0:
+            _write_whole(
+                os.path.join(self.directory, f"start-{partition}-{attempt}.npz"), t=time.time()
+            )
+
+    def after_publish(self, epoch: int, variables: Mapping[str, Any]) -> None:
+        name = f"version-{time.time_ns():020d}-{os.getpid()}.npz"
+        arrays = {f"v_{k}": np.asarray(v) for k, v in variables.items()}
+        _write_whole(os.path.join(self.directory, name), t=time.time(), epoch=epoch, **arrays)
+
+    @staticmethod
+    def read(directory: str) -> list[tuple[float, int, dict[str, np.ndarray]]]:
+        """``(seconds since the first subtask began epoch 0, epoch, variables)`` of every
+        published version, in the order published."""
+        names = sorted(os.listdir(directory))
+        starts = [np.load(os.path.join(directory, n)) for n in names if n.startswith("start-")]
+        if not starts:
+            raise UsageError(f"{directory!r} holds no trace: was TraceVersions passed as hooks?")
+        t0 = min(float(s["t"]) for s in starts)
+        out = []
+        for n in names:
+            if n.startswith("version-"):
+                f = np.load(os.path.join(directory, n))
+                variables = {k[2:]: f[k] for k in f.files if k.startswith("v_")}
+                out.append((float(f["t"]) - t0, int(f["epoch"]), variables))
+        return out
+
+
+def _write_whole(path: str, **arrays: Any) -> None:
+    """``np.savez`` to ``path``, written whole then renamed (a reader never sees half)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class CombinedHooks(RuntimeHooks):
+    """Each of ``parts`` at every hook point, in order (a straggler and a trace, say)."""
+
+    parts: tuple[RuntimeHooks, ...]
+
+    def at_alignment(self, epoch: int, *, attempt: int | None, restarted: bool) -> None:
+        for h in self.parts:
+            h.at_alignment(epoch, attempt=attempt, restarted=restarted)
+
+    def before_watermark(self, partition: int, epoch: int, attempt: int) -> None:
+        for h in self.parts:
+            h.before_watermark(partition, epoch, attempt)
+
+    def after_epoch_compute(self, partition: int, seconds: float) -> None:
+        for h in self.parts:
+            h.after_epoch_compute(partition, seconds)
+
+    def after_array_lookup(self, store: Any) -> None:
+        for h in self.parts:
+            h.after_array_lookup(store)
+
+    def after_publish(self, epoch: int, variables: Mapping[str, Any]) -> None:
+        for h in self.parts:
+            h.after_publish(epoch, variables)
+
+    def after_batch(self, batch_id: int, *, resumed: bool) -> None:
+        for h in self.parts:
+            h.after_batch(batch_id, resumed=resumed)

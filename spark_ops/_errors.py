@@ -17,6 +17,8 @@
     │                                               the driver (see below)
     ├── PartitionFunctionError (RuntimeError)       the same failure of a full-partition
     │                                               operation, inside the task
+    ├── UnsupportedSparkVersion (RuntimeError)      the installed PySpark is outside the
+    │                                               supported lines; before any job
     └── SideInputError                              side inputs (FLIP-17)
         ├── SideInputConfigError                    (see above)
         ├── SideInputValueError (ValueError)        the side data holds more than the view
@@ -27,8 +29,10 @@
         └── SideInputNotReadyError (TimeoutError)   main records waited longer than
                                                     ``ready_timeout``
 
-The builtin bases stay, so ``except ValueError`` / ``except TypeError`` written for the
-earlier, builtin errors still catches them. All of them pickle.
+Every class is defined here (the side-input ones in ``side_inputs/_errors.py``) and
+re-exported where users import it; ``tests/test_layout.py`` fails on an exception class
+defined anywhere else. The builtin bases stay, so ``except ValueError`` / ``except
+TypeError`` catch them as they catch the builtin errors. All of them pickle.
 
 User functions that raise. Every operation that runs user code in Spark tasks
 (``map_partition``, ``sort_partition``'s key function, ``aggregate`` and ``reduce`` of
@@ -62,9 +66,12 @@ from typing import Any
 from pyspark.errors import PythonException
 
 __all__ = [
+    "NonMergeableAggregateError",
+    "PartitionFunctionError",
     "SparkOpsConfigError",
     "SparkOpsError",
     "SparkOpsIndexError",
+    "UnsupportedSparkVersion",
     "UserFunctionError",
     "failure_line",
     "install_error_translation",
@@ -79,13 +86,34 @@ class SparkOpsError(Exception):
 class SparkOpsConfigError(SparkOpsError, TypeError, ValueError):
     """An argument is wrong; the message names it and says how to fix it.
 
-    Both a ``TypeError`` and a ``ValueError``: a wrong argument is caught by either (as
-    the builtin errors spark_ops raised before were one or the other).
+    Both a ``TypeError`` and a ``ValueError``: a wrong argument is caught by either,
+    whichever a caller expects of a bad type or a bad value.
     """
 
 
 class SparkOpsIndexError(SparkOpsConfigError, IndexError):
     """A field index is out of range."""
+
+
+class NonMergeableAggregateError(SparkOpsConfigError):
+    """The aggregate cannot be merged, so it cannot run in two phases."""
+
+
+class UnsupportedSparkVersion(SparkOpsError, RuntimeError):
+    """The installed PySpark is outside the supported lines (the message names it and
+    the fix); raised before any Spark job."""
+
+
+class PartitionFunctionError(SparkOpsError, RuntimeError):
+    """User code of a full-partition operation failed in a Spark task.
+
+    Raised in the task; on the driver the action raises ``spark_ops.UserFunctionError``
+    (a pyspark ``PythonException``) with the operation, function, partition id, key and
+    the user's traceback.
+    """
+
+
+PartitionFunctionError.__module__ = "spark_ops.full_partition"  # where users import it
 
 
 class UserFunctionError(SparkOpsError, PythonException, RuntimeError):

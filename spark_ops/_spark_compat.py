@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from ._errors import SparkOpsError
+from ._errors import UnsupportedSparkVersion
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 __all__ = [
     "SUPPORTED",
     "JobTag",
-    "UnsupportedSparkVersion",
     "check_spark_version",
     "spark_version",
 ]
@@ -55,11 +54,6 @@ RAYDP_RANGE = ((1, 6, 5), (1, 7))
 RAYDP_SPARK = (3, 5)
 RAYDP_INSTALL = "pip install 'hybrid-iter[raydp]'"
 _SPARK_INSTALL = "pip install 'pyspark>=3.5,<4.4'"
-
-
-class UnsupportedSparkVersion(SparkOpsError, RuntimeError):
-    """The installed PySpark is outside the supported lines (the message names it and
-    the fix); raised before any Spark job."""
 
 
 def _parse(version: str) -> tuple[int, int, int]:

@@ -141,7 +141,7 @@ def test_async_feedback_after_termination_is_not_applied_but_outputs_are_kept():
         return c.result()
 
     data = asyncio.run(main())
-    assert data.terminated_by == "no_feedback" and data.epochs == 1
+    assert data.terminated_by == "no_variables_published" and data.epochs == 1
     assert [r.value for r in data.outputs if r.tag == "total"] == [5.0]  # 7.0 never applied
     assert [r.value for r in data.outputs if r.tag == "late"] == [3]
     assert data.feedback_counts == {0: 1, 1: 0}

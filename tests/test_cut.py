@@ -36,7 +36,8 @@ from coordinator import (
     InProcessLink,
     IterationCoordinator,
 )
-from coordinator._cut import Cut, CutError, CutProtocol, SubtaskCut
+from coordinator._cut import Cut, CutProtocol, SubtaskCut
+from coordinator._errors import CutError
 from hybrid_iter._runtime.task import TaskPlan, run_subtask
 
 pytestmark = pytest.mark.usefixtures("validate_cores")

@@ -157,7 +157,7 @@ def test_bad_arguments_of_ml_and_ps_are_config_errors():
         LBFGS([0.0], memory=0)
     with pytest.raises(hi.IterationConfigError, match="one entry") as info:
         hybrid_iter.ps.Sparse([0, 1], [1.0])
-    assert isinstance(info.value, TypeError)  # as before the tree
+    assert isinstance(info.value, TypeError)  # a wrong argument type is caught as one
 
 
 def test_fault_injection_lives_in_testing_only():
@@ -172,6 +172,37 @@ def test_fault_injection_lives_in_testing_only():
     with pytest.raises(InjectedFault, match="partition 1 at epoch 3 on attempt 0"):
         fault.before_watermark(1, 3, 0)
     fault.before_watermark(1, 3, 1)  # another launch
+
+
+def test_combined_hooks_pass_every_hook_point_to_each_part():
+    # a hook point added to RuntimeHooks and missed here would silently skip its parts
+    from hybrid_iter.testing import CombinedHooks, RuntimeHooks
+
+    points = {n for n, v in vars(RuntimeHooks).items() if callable(v) and not n.startswith("_")}
+    assert points and points <= set(vars(CombinedHooks)), points - set(vars(CombinedHooks))
+
+    seen: list[tuple[str, int]] = []
+
+    class Record(RuntimeHooks):
+        def __init__(self, i):
+            self.i = i
+
+        def before_watermark(self, partition, epoch, attempt):
+            seen.append(("before_watermark", self.i))
+
+        def after_publish(self, epoch, variables):
+            seen.append(("after_publish", self.i))
+
+    both = CombinedHooks((Record(0), Record(1)))
+    both.before_watermark(0, 0, 0)
+    both.after_publish(0, {})
+    both.after_batch(0, resumed=False)  # no part overrides it: nothing happens
+    assert seen == [
+        ("before_watermark", 0),
+        ("before_watermark", 1),
+        ("after_publish", 0),
+        ("after_publish", 1),
+    ]
 
 
 def test_hooks_are_validated_with_the_argument_named():

@@ -82,7 +82,7 @@ def test_epoch_zero_never_terminates(spark):
         ),
         parallelism=2,
     )
-    assert result.terminated_by == "no_feedback"
+    assert result.terminated_by == "no_variables_published"
     assert result.epochs == 1
     for pid in (0, 1):
         assert [e for _, k, e in events(result, pid) if k == "watermark"] == [0]

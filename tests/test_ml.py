@@ -145,6 +145,26 @@ def test_logistic_sync_full_batch_equals_the_numpy_loop(data):
     assert len(r.outputs["loss_trace"]) == 25
 
 
+def test_trace_versions_records_every_published_version_with_its_time(data, tmp_path):
+    # what benchmarks/bench_async.py scores exactly: every version the SGD server published
+    from hybrid_iter.testing import CombinedHooks, Straggler, TraceVersions
+
+    df, *_ = data
+    hooks = CombinedHooks((Straggler(partition=1, factor=1.0), TraceVersions(str(tmp_path))))
+    model = ml.LogisticRegression(
+        features_col=FEATURES, max_iter=6, learning_rate=0.8, tol=-1.0, solver="sgd"
+    )._fit(df, hooks=hooks)
+    versions = TraceVersions.read(str(tmp_path))
+    assert len(versions) == model.result.extra["publishes"] >= 5
+    seconds = [s for s, _, _ in versions]
+    epochs = [e for _, e, _ in versions]
+    assert seconds == sorted(seconds) and seconds[0] >= 0.0
+    assert epochs == sorted(epochs)
+    last = versions[-1][2]
+    np.testing.assert_array_equal(last["coef"], model.coefficients)
+    assert float(last["intercept"]) == model.intercept
+
+
 def test_weighted_linear_regression_equals_the_numpy_loop_for_every_input_kind(data):
     df, X, _, y, weight = data
     w, b, _ = numpy_gd(X, y, logistic=False, lr=0.3, iters=15, sw=weight)

@@ -16,7 +16,7 @@ from pyspark.sql import functions as F
 import hybrid_iter as hi
 from hybrid_iter import ml
 from hybrid_iter._runtime.array_store import CONF_BYTES, CONF_ENABLED, store_stats
-from hybrid_iter.testing import lose_kept_arrays
+from hybrid_iter.testing import LoseKeptArrays
 from spark_ops import _spark_compat as compat
 
 D = 6
@@ -154,11 +154,12 @@ def test_data_computed_on_the_cached_rows_is_read_from_spark(spark, cached, cach
 def test_arrays_lost_from_outside_cost_a_rerun_from_spark_not_the_fit(spark, cached, cache_conf):
     expected = _log(cached)
     assert _log(cached).summary.data_source == "array cache"
-    with lose_kept_arrays() as killed, pytest.warns(UserWarning, match="array cache kept"):
+    hooks = LoseKeptArrays()
+    with pytest.warns(UserWarning, match="array cache kept"):
         got = ml.LogisticRegression(
             features_col=COLS, label_col="c", parallelism=P, progress=False
-        ).fit(cached)
-    assert killed, "the store actor was not killed"
+        )._fit(cached, hooks=hooks)
+    assert hooks.killed, "the store actor was not killed"
     assert got.summary.data_source == "spark"
     _same(expected, got)
     # a new store serves the fits after it

@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hybrid_iter as hi
-from coordinator._ps import FreeShard, ParameterShard, ShardSpec, StaleShardCall
+from coordinator._errors import StaleShardCall
+from coordinator._ps import FreeShard, ParameterShard, ShardSpec
 from coordinator._rules import AdagradRule, FTRLRule, SGDRule, ftrl_step
 from coordinator._tables import (
     Init,

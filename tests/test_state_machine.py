@@ -80,7 +80,7 @@ def test_terminates_when_nothing_circulated_into_the_epoch():
 
 def test_partition_feedback_alone_does_not_keep_it_alive():
     """The feedback edge is publish_variables: partitions that keep reporting while the
-    coordinator stopped publishing end the iteration at the next alignment (issue 14)."""
+    coordinator stopped publishing end the iteration at the next alignment."""
     m = sm(2)
     for p in (0, 1):
         m.report(p, 0)
@@ -93,13 +93,15 @@ def test_partition_feedback_alone_does_not_keep_it_alive():
     assert m.epochs_completed == 1
 
 
-def test_the_former_reason_name_is_still_accepted():
+def test_a_reason_is_its_string_value_and_names_no_other():
     reason = TerminationReason.NO_VARIABLES_PUBLISHED
-    assert TerminationReason.NO_FEEDBACK is reason
-    assert TerminationReason("no_feedback") is reason
-    assert reason == "no_feedback" and reason == "no_variables_published"
-    assert reason != "criteria" and str(reason) == "no_variables_published"
-    assert TerminationReason.CRITERIA == "criteria" and TerminationReason.CRITERIA != reason
+    assert TerminationReason("no_variables_published") is reason
+    assert reason == "no_variables_published" and str(reason) == "no_variables_published"
+    assert reason != "criteria" and TerminationReason.CRITERIA == "criteria"
+    assert TerminationReason.CRITERIA != reason
+    assert {reason: 1}["no_variables_published"] == 1  # hashes as its value (JSON keys)
+    with pytest.raises(ValueError):
+        TerminationReason("no_feedback")  # not a reason: a typo must not pass
 
 
 def test_terminating_round_is_the_round_variables_were_fed_into():

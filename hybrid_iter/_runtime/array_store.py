@@ -303,7 +303,11 @@ def _default_capacity() -> int:
 
 
 def plan_reuse(
-    df: Any, columns: Sequence[str], describe: tuple[Any, ...], num_subtasks: int
+    df: Any,
+    columns: Sequence[str],
+    describe: tuple[Any, ...],
+    num_subtasks: int,
+    hooks: Any = None,
 ) -> StoredArrays | None:
     """READ / WRITE for a fit over ``df.select(*columns)`` (what its tasks would read)
     with ``num_subtasks`` subtasks, the arrays decoded as ``describe`` says; None when
@@ -342,16 +346,11 @@ def plan_reuse(
         log.warning("hybrid_iter: the array cache is unavailable (%s); reading from Spark", ex)
         _lost(handle, ex)
         return None
-    if mode == READ and _after_lookup is not None:
-        _after_lookup(handle)
+    if mode == READ and hooks is not None:  # RuntimeHooks (hybrid_iter.testing)
+        hooks.after_array_lookup(handle)
     if mode is None:
         return None
     return StoredArrays(name, key, mode, num_subtasks, tuple(rows))
-
-
-#: test-only (``hybrid_iter.testing.lose_kept_arrays``): called with the store's handle
-#: when a fit has decided to read kept arrays
-_after_lookup: Any = None
 
 
 def _call(method: str, *args: Any) -> None:

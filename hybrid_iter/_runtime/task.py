@@ -39,7 +39,7 @@ from coordinator._checkpoint import dump_operator, restore_operator
 from coordinator._operator_api import PartitionCollector, PartitionContext
 from coordinator._tree import TreeSpec, precombine
 
-from .._errors import DataValidationError, UsageError
+from .._errors import DataValidationError, UsageError, _Aborted
 
 __all__ = ["PartitionCollector", "PartitionContext", "TaskPlan", "run_round", "run_subtask"]
 
@@ -81,10 +81,6 @@ class TaskPlan:
     checkpoint_every: int = 0
     #: the iteration ends at alignment ``max_epochs`` (no cut there); None: no limit
     max_epochs: int | None = None
-
-
-class _Aborted(Exception):
-    """The coordinator answered with another participant's failure."""
 
 
 _links: dict[tuple[str, str], RayLink] = {}

@@ -59,8 +59,9 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from .._errors import CliError
 from ._bench import _bench
-from ._options import RESULT_PREFIX, CliError, RunOptions, _parser, resolve_run_options
+from ._options import RESULT_PREFIX, RunOptions, _parser, resolve_run_options
 from ._runner import _run, load_target
 from ._versions import versions
 

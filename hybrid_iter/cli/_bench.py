@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ._options import CliError
+from .._errors import CliError
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._errors import HybridIterError, SessionError
+from .._errors import CliError, SessionError
 from .._session import DEFAULT_CONNECT_TIMEOUT, check_ray_address
 from ._versions import _version_of
 
@@ -29,10 +29,6 @@ _MEMORY_UNITS = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
 _MIN_SPARK_MEMORY = 450 << 20
 
 log = logging.getLogger("hybrid_iter.cli")
-
-
-class CliError(HybridIterError, ValueError):
-    """A bad flag or environment variable; the message names it and the fix."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,7 +18,8 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from ._options import RESULT_PREFIX, CliError, RunOptions
+from .._errors import CliError
+from ._options import RESULT_PREFIX, RunOptions
 
 log = logging.getLogger("hybrid_iter.cli")
 

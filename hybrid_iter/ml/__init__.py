@@ -27,8 +27,6 @@ before any Spark job; bad data ``DataValidationError`` naming the column.
 
 from typing import Any
 
-from ._base import Model
-
 
 def clear_array_cache() -> None:
     """Drop every array the array cache keeps for later fits of cached DataFrames
@@ -57,10 +55,16 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name == "Model":
+        # the base of every model: ``Model.load(path)`` reads any of them by its class
+        # name, so every model module is imported (and its classes registered) first
+        for module in sorted(set(_LAZY.values())):
+            importlib.import_module(f".{module}", __name__)
+        return importlib.import_module("._stages", __name__).StageModel
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -1,5 +1,5 @@
-"""What the estimators of ``hybrid_iter.ml`` share: parameter checks, the iteration run,
-and the model base class with ``save``/``load``. Runs on the driver.
+"""What the estimators of ``hybrid_iter.ml`` share: parameter checks and the iteration
+run (the model base class is ``_stages.StageModel``). Runs on the driver.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -29,11 +29,9 @@ from .._runtime.array_store import forget, plan_reuse
 from .._runtime.iterate import iterate_bounded_streams_until_termination
 from .._streams import DataStream, ReplayableDataStreamList, _is_dataframe
 from ._features import FeaturePlan
-from ._persist import data_dir, read_model, spark_layout, write_model
 
 __all__ = [
     "MODES",
-    "Model",
     "check_bool",
     "check_column",
     "check_features_col",
@@ -211,12 +209,14 @@ def _stand_in(spark: Any, n: int) -> Any:
     return _STAND_IN[0][2]
 
 
-def with_array_cache(df: Any, plan: FeaturePlan, parallelism: int | None) -> FeaturePlan:
+def with_array_cache(
+    df: Any, plan: FeaturePlan, parallelism: int | None, hooks: RuntimeHooks | None = None
+) -> FeaturePlan:
     """``plan`` with the array cache's decision for a fit of ``df`` (driver, no Spark
     job): read the arrays an earlier fit of the same cached data kept, keep the ones
     this fit reads, or neither (``_runtime.array_store``)."""
     n = parallelism or available_task_slots(df.sparkSession)
-    stored = plan_reuse(df, plan.input_columns, plan.decoding, n)
+    stored = plan_reuse(df, plan.input_columns, plan.decoding, n, hooks)
     return replace(plan, stored=stored)
 
 
@@ -269,7 +269,7 @@ def run_with_array_cache(
     that died costs one relaunch (``relaunch_if_worker_died``)."""
     reuse = True
     while True:
-        run_plan = with_array_cache(df, plan, parallelism) if reuse else plan
+        run_plan = with_array_cache(df, plan, parallelism, kwargs.get("hooks")) if reuse else plan
         init, body = build(run_plan)
         stored = run_plan.stored
         try:
@@ -304,59 +304,3 @@ def run_with_array_cache(
         if stored is not None and stored.read:  # the rows read, not the stand-in's
             return replace(result, rows=list(stored.rows)), "array cache"
         return result, "spark"
-
-
-class Model:
-    """A fitted model: parameters and numpy arrays; ``save``/``load`` through pyarrow.fs.
-
-    ``Model.load(path)`` reads any model of ``hybrid_iter.ml`` by its class name. The
-    estimators' models (``pyspark.ml`` stages, ``_stages.StageModel``) register here.
-    ``result`` is the training's ``IterationResult`` (losses, timings, ``plot()``); a
-    loaded model has none.
-    """
-
-    _registry: ClassVar[dict[str, type[Any]]] = {}
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        Model._registry[cls.__name__] = cls
-
-    def __init__(
-        self,
-        params: Mapping[str, Any],
-        arrays: Mapping[str, np.ndarray],
-        result: IterationResult | None = None,
-    ) -> None:
-        self.params = dict(params)
-        self._arrays = {k: np.asarray(v) for k, v in arrays.items()}
-        self.result = result
-
-    def save(self, path: str, *, overwrite: bool = False) -> str:
-        """Write the model to ``path`` (a local path or a storage URI such as ``s3a://``); returns
-        the path."""
-        return write_model(
-            path, type(self).__name__, self.params, self._arrays, overwrite=overwrite
-        )
-
-    @classmethod
-    def load(cls, path: str) -> Any:
-        """Read a model saved by ``save``, or by ``write().save`` (Spark's layout, what a
-        ``PipelineModel`` writes; needs a SparkSession); any model class when called on
-        ``Model``."""
-        spark = spark_layout(path)
-        name, params, arrays = read_model(data_dir(path) if spark else path)
-        if name not in Model._registry:  # the stages register when first imported
-            from . import kmeans, linear  # noqa: F401
-
-        klass = Model._registry.get(name)
-        if klass is None or (cls is not Model and not issubclass(klass, cls)):
-            raise IterationConfigError(f"{path!r} holds a {name}, not a {cls.__name__}")
-        if spark:
-            return klass.read().load(path)
-        if hasattr(klass, "_from_saved"):  # a pyspark.ml stage (_stages.StageModel)
-            return klass._from_saved(params, arrays)
-        return klass(params, arrays)
-
-    def __repr__(self) -> str:
-        shapes = ", ".join(f"{k}{tuple(v.shape)}" for k, v in self._arrays.items())
-        return f"{type(self).__name__}({shapes})"

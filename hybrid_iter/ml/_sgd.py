@@ -231,10 +231,8 @@ class _LinearServer(CoordinatorOperator):
         fit_intercept: bool,
         max_iter: int,
         tol: float,
-        trace_weights: bool = False,
         full_batch: bool = True,
     ) -> None:
-        self.trace_weights = trace_weights
         self.full_batch = full_batch
         self.lr = learning_rate
         self.l1 = reg * elastic_net
@@ -297,8 +295,6 @@ class _LinearServer(CoordinatorOperator):
 
     def _publish(self, out: Any) -> None:
         out.publish_variables(coef=self.w, intercept=self.b)
-        if self.trace_weights:  # benchmarks: every version with its time, to score exactly
-            out.output("weights_trace", (time.time() - self.t0, self.w.copy(), self.b))
 
     def process_feedback(self, value: np.ndarray, ctx: Any, out: Any) -> None:
         self.t0 = min(self.t0, float(value[-1]))

@@ -43,7 +43,7 @@ from pyspark.ml.util import (
 )
 
 from .._errors import IterationConfigError, ModelExistsError, ModelNotFoundError
-from ._base import Model, check_features_col, check_int, check_number, check_progress
+from ._base import check_features_col, check_int, check_number, check_progress
 
 __all__ = [
     "ParamSpec",
@@ -307,12 +307,15 @@ class StageModel(StageParams, SparkModel, StageModelIO):
     """A fitted model: numpy arrays (``_arrays``, what is saved), the estimator's
     parameters, the training's ``result`` (``IterationResult``) and ``summary`` (a
     loaded model has neither); our ``save``/``load`` and Spark's ``write``/``read``.
-    Subclasses implement ``_transform(dataset, features_col)``; ``ml.Model.load(path)``
-    finds them by class name."""
+    Subclasses implement ``_transform(dataset, features_col)``; ``StageModel.load(path)``
+    (public as ``hybrid_iter.ml.Model.load``) finds them by class name."""
+
+    #: every model class by name, as it registered when its module was imported
+    _registry: ClassVar[dict[str, type[StageModel]]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        Model._registry[cls.__name__] = cls
+        StageModel._registry[cls.__name__] = cls
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
@@ -372,8 +375,19 @@ class StageModel(StageParams, SparkModel, StageModelIO):
 
     @classmethod
     def load(cls, path: str) -> Any:
-        """Read a model saved by ``save`` or by ``write().save`` (a ``PipelineModel``)."""
-        return Model.load.__func__(cls, path)  # type: ignore[attr-defined]
+        """Read a model saved by ``save`` or by ``write().save`` (Spark's layout, what a
+        ``PipelineModel`` writes; needs a SparkSession). On ``StageModel`` itself
+        (``hybrid_iter.ml.Model``, which imports every model module first): any model."""
+        from ._persist import data_dir, read_model, spark_layout
+
+        spark = spark_layout(path)
+        name, params, arrays = read_model(data_dir(path) if spark else path)
+        klass = StageModel._registry.get(name)
+        if klass is None or not issubclass(klass, cls):
+            raise IterationConfigError(f"{path!r} holds a {name}, not a {cls.__name__}")
+        if spark:
+            return klass.read().load(path)
+        return klass._from_saved(params, arrays)
 
     def transform(self, dataset: Any, params: Any = None, *, features_col: Any = None) -> Any:
         """Add the output columns (Spark SQL expressions; every input column is kept).

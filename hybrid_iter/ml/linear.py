@@ -36,7 +36,7 @@ import numpy as np
 from coordinator import RuntimeHooks
 
 from .._body import IterationBody
-from .._errors import IterationConfigError
+from .._errors import ConvergenceWarning, IterationConfigError
 from ._base import (
     check_bool,
     check_column,
@@ -86,10 +86,6 @@ __all__ = [
 #: Above this many features ``transform`` computes the margin in a vectorised pandas UDF
 #: instead of one Spark SQL expression with a literal per coefficient.
 SQL_MAX_FEATURES = 1024
-
-
-class ConvergenceWarning(UserWarning):
-    """A fit stopped at ``max_iter`` before meeting ``tol``."""
 
 
 @dataclass
@@ -224,7 +220,6 @@ def _fit_sgd(
     *,
     logistic: bool,
     hooks: RuntimeHooks | None,
-    trace_weights: bool,
 ) -> tuple[np.ndarray, np.ndarray, Any, TrainingSummary]:
     owner = type(est).__name__
     v = est.value
@@ -240,7 +235,6 @@ def _fit_sgd(
             fit_intercept=v("fit_intercept"),
             max_iter=v("max_iter"),
             tol=float(v("tol")),
-            trace_weights=trace_weights,
             full_batch=gbs is None,
         ),
         criteria=True,
@@ -413,13 +407,12 @@ class _LinearEstimator(StageEstimator):
         *,
         family: str,
         hooks: RuntimeHooks | None,
-        trace_weights: bool,
     ) -> tuple[np.ndarray, np.ndarray, Any, Any]:
         """``(coefficient matrix, intercepts, IterationResult, summary)`` by the chosen
         solver: SGD on the iteration runtime, or the GLM operators (L-BFGS / OWL-QN /
         normal equations). ``hooks`` serve tests and benchmarks: the runtime's hook
-        points (``hybrid_iter.testing``), and ``Straggler`` slows one subtask (SGD);
-        ``trace_weights`` outputs every version with its time (SGD)."""
+        points (``hybrid_iter.testing``): ``Straggler`` slows one subtask (SGD),
+        ``TraceVersions`` records every published version with its time."""
         plan = _prepare(self, dataset)
         if self.value("solver") == "sgd":
             if family == "multinomial":
@@ -433,7 +426,6 @@ class _LinearEstimator(StageEstimator):
                 plan,
                 logistic=family != GAUSSIAN,
                 hooks=hooks,
-                trace_weights=trace_weights,
             )
         return _fit_glm(self, dataset, plan, family=family, hooks=hooks)
 
@@ -462,11 +454,8 @@ class LogisticRegression(_LinearEstimator):
         dataset: Any,
         *,
         hooks: RuntimeHooks | None = None,
-        trace_weights: bool = False,
     ) -> LogisticRegressionModel:
-        B, b, result, summary = self._solve(
-            dataset, family=self.value("family"), hooks=hooks, trace_weights=trace_weights
-        )
+        B, b, result, summary = self._solve(dataset, family=self.value("family"), hooks=hooks)
         arrays = (
             {"coefficient_matrix": B, "intercept_vector": b}
             if summary.family == "multinomial"
@@ -486,11 +475,8 @@ class LinearRegression(_LinearEstimator):
         dataset: Any,
         *,
         hooks: RuntimeHooks | None = None,
-        trace_weights: bool = False,
     ) -> LinearRegressionModel:
-        B, b, result, summary = self._solve(
-            dataset, family=GAUSSIAN, hooks=hooks, trace_weights=trace_weights
-        )
+        B, b, result, summary = self._solve(dataset, family=GAUSSIAN, hooks=hooks)
         arrays = {"coefficients": B[0], "intercept": np.array(b[0])}
         return self._model(LinearRegressionModel, arrays, result, summary)
 

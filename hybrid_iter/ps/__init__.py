@@ -51,14 +51,15 @@ or task that dies is relaunched from the newest cut (sync: bit for bit the run w
 the fault).
 """
 
-from coordinator._ps import NonFiniteGradient
+from coordinator._errors import NonFiniteGradient
 
+from .._errors import TrainFailedError
 from ._csr import CSR, Rows
 from ._layout import Sparse
 from ._model import Model, TableRef, load
 from ._optim import FTRL, SGD, Adagrad, Adam, Optimizer
 from ._tables import Constant, Initializer, Normal, Table, Uniform, Zeros
-from ._train import TrainFailedError, TrainResult, train
+from ._train import TrainResult, train
 
 __all__ = [
     "CSR",

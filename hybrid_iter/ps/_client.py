@@ -19,7 +19,7 @@ import numpy as np
 from coordinator._tables import shard_of
 from coordinator._variables import fetch_all
 
-from .._errors import HybridIterError
+from .._errors import HybridIterError, ShardLost, ShardsUnavailable
 
 __all__ = ["Shards", "StepKeys", "TablePlan", "step_keys"]
 
@@ -290,12 +290,3 @@ class Shards:
 
     def retire(self, pid: int) -> None:
         self._get([h.retire.remote(pid) for h in self.handles])
-
-
-class ShardLost(HybridIterError, RuntimeError):
-    """A parameter shard's process ended while a task called it; with checkpoints (or
-    ``max_restarts``) the run is relaunched and the shards restored."""
-
-
-class ShardsUnavailable(HybridIterError, RuntimeError):
-    """The shards cannot serve this task yet (a restarted shard not restored)."""

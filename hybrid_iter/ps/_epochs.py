@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from coordinator._shell import quiet_get
+
 from .._operators import CoordinatorOperator
 from ..ml._sgd import DIVERGENCE_PATIENCE, LossWatch
 from ._optim import Optimizer
@@ -40,23 +42,6 @@ __all__ = ["METRICS", "RESTART_WAIT", "Epochs", "auc", "log_loss"]
 
 #: seconds the coordinator keeps asking a shard Ray is restarting
 RESTART_WAIT = 120.0
-
-
-def _quiet_get(ref: Any) -> Any:
-    """``ray.get`` without Ray's once-per-process warning about blocking gets in async
-    actors (it stays for the user's own code; see ``Epochs._each``)."""
-    import ray
-
-    try:
-        from ray._private import worker as ray_worker
-    except ImportError:  # pragma: no cover - a Ray without that module: plain get
-        return ray.get(ref)
-    warned = getattr(ray_worker, "blocking_get_inside_async_warned", True)
-    ray_worker.blocking_get_inside_async_warned = True
-    try:
-        return ray.get(ref)
-    finally:
-        ray_worker.blocking_get_inside_async_warned = warned
 
 
 def log_loss(p: np.ndarray, y: np.ndarray) -> float:
@@ -171,7 +156,7 @@ class Epochs(CoordinatorOperator):
             again = []
             for i, ref in zip(todo, refs):
                 try:
-                    out[i] = _quiet_get(ref)
+                    out[i] = quiet_get(ref)
                 except ray.exceptions.ActorUnavailableError:
                     if time.monotonic() > deadline:
                         raise

@@ -40,7 +40,12 @@ from coordinator._tables import TableSpec
 
 from .._body import IterationBody
 from .._config import CheckpointConfig, IterationConfig
-from .._errors import IterationConfigError, IterationFailedError, WorkerDiedError
+from .._errors import (
+    IterationConfigError,
+    IterationFailedError,
+    TrainFailedError,
+    WorkerDiedError,
+)
 from .._result import IterationResult
 from .._runtime.iterate import iterate_bounded_streams_until_termination
 from .._runtime.placement import actor_class, kill, launch, launch_held
@@ -63,7 +68,6 @@ from ._tables import Table
 from ._worker import EvalPlan, TrainPlan, Worker
 
 __all__ = [
-    "TrainFailedError",
     "TrainResult",
     "launch_shards",
     "launch_table_shards",
@@ -154,25 +158,6 @@ class TrainResult:
         """Stop the shards (their tables are gone unless saved)."""
         if self.model is not None:
             self.model.close()
-
-
-class TrainFailedError(IterationFailedError):
-    """``ps.train`` failed (a ``IterationFailedError``: ``failures`` as there).
-
-    ``params``: the parameters the shards held when the training stopped, in ``init``'s
-    structure (tables as ``TableRef``: their shards are kept for it): every update
-    applied before the failure and nothing of the step that failed (a step is checked
-    whole on its worker before any shard receives a slice of it); None when a shard
-    could not be read (it was lost)."""
-
-    def __init__(
-        self, message: str, failures: Mapping[int | str, BaseException], params: Any
-    ) -> None:
-        super().__init__(message, failures)
-        self.params = params
-
-    def __reduce__(self) -> tuple[type[TrainFailedError], tuple[Any, ...]]:
-        return (TrainFailedError, (self.message, self.failures, self.params))
 
 
 # -- driver -----------------------------------------------------------------------------

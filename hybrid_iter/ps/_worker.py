@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from coordinator._errors import NonFiniteGradient
 from coordinator._finite import first_nonfinite
-from coordinator._ps import NonFiniteGradient
 
 from .._errors import ConfigTypeError, DataValidationError
 from .._operators import PartitionOperator

@@ -59,10 +59,10 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from .._errors import SparkOpsConfigError, SparkOpsIndexError
+from .._errors import PartitionFunctionError, SparkOpsConfigError, SparkOpsIndexError
 from ..aggregate import AggregateFunction, _check_aggregate
 from ..iteration.barrier import num_partitions
-from ._tasks import FunctionContext, PartitionFunctionError, TaskSpec, run_task
+from ._tasks import FunctionContext, TaskSpec, run_task
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame

@@ -29,25 +29,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.types as pat
 
-from .._errors import SparkOpsError, failure_line, user_traceback
+from .._errors import PartitionFunctionError, failure_line, user_traceback
 from ._keys import encode_keys
 from ._rows import RowReader, RowWriter, conform_batch
 
-__all__ = ["FunctionContext", "PartitionFunctionError", "TaskSpec", "run_task"]
+__all__ = ["FunctionContext", "TaskSpec", "run_task"]
 
 _MISSING = object()
-
-
-class PartitionFunctionError(SparkOpsError, RuntimeError):
-    """User code of a full-partition operation failed in a Spark task.
-
-    Raised in the task; on the driver the action raises ``spark_ops.UserFunctionError``
-    (a pyspark ``PythonException``) with the operation, function, partition id, key and
-    the user's traceback.
-    """
-
-
-PartitionFunctionError.__module__ = "spark_ops.full_partition"  # where users import it
 
 
 @dataclass(frozen=True)

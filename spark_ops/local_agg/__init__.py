@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._errors import SparkOpsConfigError
+from .._errors import NonMergeableAggregateError, SparkOpsConfigError
 from ..aggregate import AggregateFunction, _check_aggregate
 
 if TYPE_CHECKING:
@@ -53,10 +53,6 @@ __all__ = [
 
 _DEFAULT_BUFFER_BYTES = 128 << 20
 _DEFAULT_MAX_LOCAL_KEYS = 1 << 20
-
-
-class NonMergeableAggregateError(SparkOpsConfigError):
-    """The aggregate cannot be merged, so it cannot run in two phases."""
 
 
 # -- metrics -------------------------------------------------------------------------------
