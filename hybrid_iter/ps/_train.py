@@ -842,8 +842,10 @@ def _raise_if_not_started(started: Sequence[Any]) -> None:
     except ray.exceptions.GetTimeoutError:
         return
     except ray.exceptions.RayActorError as ex:
+        # its message ends with the creation task's exception (the traceback before it)
+        lines = [ln.strip() for ln in str(ex).splitlines() if ln.strip()]
         raise IterationConfigError(
-            f"a parameter shard could not start: {str(ex).splitlines()[0]}"
+            f"a parameter shard could not start: {lines[-1] if lines else type(ex).__name__}"
         ) from ex
 
 
