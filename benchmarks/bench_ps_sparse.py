@@ -26,7 +26,8 @@ Contenders, each at every D unless said:
 * ``ps_sync``, ``ps_async``: ``ps.train`` on a ``ps.Table`` (rows created on first
   touch: D only bounds the ids), 2 Spark tasks x 1,024 rows per step, 2 shards, FTRL
   (alpha 0.2, beta 1, l1 1, l2 1; alpha the best of 0.1, 0.2, 0.4 for the numpy loop).
-  Also ``ps_sync`` on the raw 64-bit ids (``dim`` "raw"; not in --quick).
+  Also ``ps_sync`` on the raw 64-bit ids (``dim`` "raw"; not in --quick), and
+  ``ps_sync_1shard``: the same on one shard (one call per worker step instead of two).
 * ``ps_dense``: today's dense path (a ``(D,)`` array pulled whole every step, sparse
   pushes) where it fits (``--dense-dims``: 2^20, 2^22).
 * ``sklearn_sgd``: ``SGDClassifier(log_loss)`` on the CSR matrix, ``partial_fit`` per
@@ -44,7 +45,9 @@ each running every D once in a rotated order, 2 epochs each: the machine's drift
 on every D alike); the +-25% flatness check uses that sweep's medians.
 
 Accounting, the same for every contender: one untimed warm-up (one epoch, or a maxIter
-1 fit) of each before the first timed run; ``--repeats`` timed runs (the harness),
+1 fit) of each before the first timed run (imports, Spark's Python workers, the JIT);
+each contender's own start-up inside its timed region (``TIMED_REGION``: the numpy
+loop's from its model's allocation, ``ps.train``'s from the call); ``--repeats`` timed runs (the harness),
 medians. Training time only: evaluation is excluded for all (``ps.train`` runs twice,
 without evaluation for the times and the bytes, then with ``eval_df`` for the held-out
 log loss and AUC per epoch; a sync run's training is deterministic, the check that both
@@ -126,6 +129,18 @@ CROSSES = (
     ("origin", "month", "day", "hour"),
 )
 ALL_FLIGHTS = 327_346
+#: what each contender's time to target holds (the same kind of start-up for all: the
+#: data each contender reads is built before, its own start-up is inside)
+TIMED_REGION = {
+    "numpy": "from the model's allocation (np.zeros of size D) to the epoch's end; the "
+    "hashed ids already in the driver's memory as a numpy array",
+    "sklearn_sgd": "the partial_fit calls (the CSR matrix built before)",
+    "ps_*": "from the ps.train call to the epoch's end: the shard actors' start (their "
+    "processes start while the Spark stage starts), the Spark stage, its tasks reading "
+    "their partition from the cached DataFrame, the epochs; not the teardown after the "
+    "last epoch (reported as teardown_s)",
+    "mllib_*": "each fit's wall time (from a cached DataFrame of SparseVectors)",
+}
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -595,13 +610,14 @@ def run_numpy(data: Data, dim: int, epochs: int, repeats: int) -> tuple[Run, Num
 
     def once() -> dict[str, Any]:
         first = "model" not in kept
-        floor = NumpyFloor(dim)
         seconds, metrics = [], []
         with ProcWatch() as watch:
+            t = time.perf_counter()
+            floor = NumpyFloor(dim)  # its start-up: the model's arrays, inside epoch 1
             for _ in range(epochs):
-                t = time.perf_counter()
                 floor.epoch(ids_tr, data.y_tr, parts)
                 seconds.append(time.perf_counter() - t)
+                t = time.perf_counter()
                 if first:
                     watch.pause()
                     p = floor.predict(ids_te)
@@ -747,6 +763,7 @@ class PsSpec:
     init: Callable[[], Any]
     optimizer: Any
     mode: str = "sync"
+    shards: int | None = None  # None: ps.train's default
 
     def kwargs(self) -> dict[str, Any]:
         init = self.init()
@@ -759,17 +776,19 @@ class PsSpec:
             "mode": self.mode,
             "batch_size": BATCH,
             "parallelism": PARTS,
+            **({"num_shards": self.shards} if self.shards is not None else {}),
         }
 
 
-def lr_spec(mode: str) -> PsSpec:
+def lr_spec(mode: str, shards: int | None = None) -> PsSpec:
     return PsSpec(
-        f"ps_{mode}",
+        f"ps_{mode}" + (f"_{shards}shard" if shards is not None else ""),
         lr_grad,
         lr_predict,
         lambda: {"bias": np.zeros(1), "w": ps.Table(dim=1)},
         ps.FTRL(**FTRL),
         mode,
+        shards,
     )
 
 
@@ -1379,7 +1398,7 @@ def _checks(report: dict[str, Any]) -> list[dict[str, Any]]:
                 "values": ms,
             }
         )
-    for name in ("ps_sync", "ps_async"):
+    for name in ("ps_sync", "ps_async", "ps_sync_1shard"):
         for d in dims:
             ours, mllib, floor = get(name, d), get("mllib_lr", d), get("numpy", d)
             if ours is None:
@@ -1462,6 +1481,7 @@ def _ratios(report: dict[str, Any]) -> dict[str, Any]:
             "time_to_target_ps_sync_over_mllib_lr": ratio(t("ps_sync"), t("mllib_lr")),
             "time_to_target_ps_sync_over_numpy": ratio(t("ps_sync"), t("numpy")),
             "time_to_target_ps_async_over_numpy": ratio(t("ps_async"), t("numpy")),
+            "time_to_target_ps_sync_1shard_over_numpy": ratio(t("ps_sync_1shard"), t("numpy")),
             "time_to_target_ps_sync_over_sklearn_sgd": ratio(t("ps_sync"), t("sklearn_sgd")),
             "ms_per_step_ps_sync_over_numpy": ratio(ms("ps_sync"), ms("numpy")),
             "ms_per_step_ps_dense_over_ps_sync": ratio(ms("ps_dense"), ms("ps_sync")),
@@ -1527,6 +1547,9 @@ def run_width(
     if wanted("ps_sync"):
         check = _compare_with_floor(floor, np.unique(data.ids(dim)), kept) if floor else None
         yield run_ps(lr_spec("sync"), dim, train, test, data, epochs, repeats, check)
+    if dim is not None and wanted("ps_sync_1shard"):
+        check = _compare_with_floor(floor, np.unique(data.ids(dim)), {}) if floor else None
+        yield run_ps(lr_spec("sync", 1), dim, train, test, data, epochs, repeats, check)
     del floor
     if dim is None:
         return
@@ -1693,6 +1716,7 @@ def main(argv: list[str] | None = None) -> int:
             "mllib_budget_s_per_contender_and_D": budget,
             "repeats": args.repeats,
             "warm_up": "one untimed epoch (MLlib: a maxIter 1 fit) of each contender at each D",
+            "timed_region": TIMED_REGION,
         },
         "targets": targets,
         "sweep_ps_sync_by_dim": flat,

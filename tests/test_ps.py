@@ -565,3 +565,30 @@ def test_a_converging_run_whose_loss_swings_is_not_stopped(regression):
     best_only = LossWatch()
     assert any(best_only.rising(v, patience=DIVERGENCE_PATIENCE, margin=2.0) for v in out.loss)
     assert out.result.epochs == 30 and out.loss[-1] < out.loss[0]
+
+
+def test_a_shard_that_cannot_start_fails_the_run_naming_why(regression, monkeypatch):
+    """The shards' processes start while the Spark stage starts, so the tasks see only a
+    shard gone; the run's error is the shard's own (its constructor refused its spec),
+    not a lost actor. A spec whose initial values do not fit its key range stands for
+    any failure to start."""
+    from hybrid_iter.ps import _train
+
+    df, _, _, _ = regression
+
+    def misfit(**kw):
+        kw["init"] = np.zeros(len(kw["init"]) + 1)
+        return ShardSpec(**kw)
+
+    monkeypatch.setattr(_train, "ShardSpec", misfit)
+    with pytest.raises(hi.IterationConfigError, match=r"could not start.*initial values"):
+        ps.train(
+            df,
+            linreg_grad,
+            {"w": np.zeros(D), "b": 0.0},
+            epochs=1,
+            batch_size=60,
+            columns=["x", "y"],
+            parallelism=PARTS,
+            num_shards=2,
+        )

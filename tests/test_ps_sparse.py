@@ -465,8 +465,17 @@ def test_evaluation_per_epoch_and_early_stopping(clicks):
         for s in shards:
             t = s["tables"]["w"]
             assert 0 < t["hottest_share"] <= 1 and len(t["hottest"]) == 10
+        # the hottest keys over every shard, in the result: the global top 10 by touches
+        hot = out.hot_keys["w"]
+        every = sorted(
+            (kn for s in shards for kn in s["tables"]["w"]["hottest"]), key=lambda kn: -kn[1]
+        )
+        assert [n for _, n in hot["hottest"]] == [n for _, n in every[:10]]
+        assert hot["touches"] == sum(s["tables"]["w"]["touches"] for s in shards)
+        assert hot["share"] == pytest.approx(sum(n for _, n in hot["hottest"]) / hot["touches"])
         per_epoch = out.result.outputs["shards"]
         assert len(per_epoch) == len(ev) and per_epoch[0]["keys"] == len(keys)
+        assert per_epoch[-1]["hot_share"]["w"] == pytest.approx(hot["share"])
     finally:
         out.close()
 
@@ -624,7 +633,8 @@ def test_staleness_steps_bounds_how_far_async_workers_run_apart(clicks, capsys):
     """Async with staleness_steps=1 and a simulated straggler (partition 1 computes
     slower): no worker starts a step more than 1 step ahead of the slowest (the shards
     measure the lead of every step they release), the fast one waited for it, and the
-    run converges. The progress line shows the loss, the keys held and the bytes per call."""
+    run converges. The progress line shows the loss, the keys held, the bytes per call and
+    the share of touches that the 10 hottest keys took."""
     import time
 
     df, _, _, x = clicks
@@ -655,6 +665,8 @@ def test_staleness_steps_bounds_how_far_async_workers_run_apart(clicks, capsys):
         assert all(s["updates"] == 2 * 6 * 3 for s in out.shards)
         assert out.loss[-1] < out.loss[0]
         line = capsys.readouterr().err.strip().splitlines()[-1]
-        assert re.search(r"epoch +3 +loss [\d.]+ +keys \d+ +kB/call [\d.]+", line), line
+        assert re.search(r"epoch +3 +loss [\d.]+ +keys \d+ +kB/call [\d.]+ +top10% [\d.]+", line), (
+            line
+        )
     finally:
         out.close()

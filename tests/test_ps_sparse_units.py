@@ -35,7 +35,7 @@ from coordinator._tables import (
 from hybrid_iter import ps
 from hybrid_iter.ml._features import read_csr
 from hybrid_iter.ps._client import TablePlan, step_keys
-from hybrid_iter.ps._epochs import auc, log_loss
+from hybrid_iter.ps._epochs import auc, hot_keys, log_loss
 
 int64s = st.integers(-(2**63), 2**63 - 1)
 ZEROS = Init()
@@ -498,3 +498,17 @@ def test_auc_and_log_loss_are_scikit_learns(pairs):
         assert log_loss(score, y) == pytest.approx(sk_log_loss(y, score), rel=1e-9)
     else:
         assert math.isnan(auc(score, y))
+
+
+def test_hot_keys_merges_the_shards_top_keys_into_the_global_top():
+    """A key lives on one shard, so the global top k are among the shards' own top k:
+    merged by touches (ties by key), and their share of every shard's touches."""
+    infos = [
+        {"tables": {"w": {"hottest": [(5, 9), (1, 4)], "touches": 20}}},
+        {"tables": {"w": {"hottest": [(-3, 7), (8, 4)], "touches": 30}}},
+        {"tables": {}},
+    ]
+    got = hot_keys(infos, top=3)["w"]
+    assert got["hottest"] == [(5, 9), (-3, 7), (1, 4)]
+    assert got["touches"] == 50 and got["share"] == pytest.approx(20 / 50)
+    assert hot_keys([{"tables": {"w": {"hottest": [], "touches": 0}}}])["w"]["share"] == 0.0

@@ -38,7 +38,7 @@ from .._operators import CoordinatorOperator
 from ..ml._sgd import DIVERGENCE_PATIENCE, LossWatch
 from ._optim import Optimizer
 
-__all__ = ["METRICS", "RESTART_WAIT", "Epochs", "auc", "log_loss"]
+__all__ = ["HOT_TOP", "METRICS", "RESTART_WAIT", "Epochs", "auc", "hot_keys", "log_loss"]
 
 #: seconds the coordinator keeps asking a shard Ray is restarting
 RESTART_WAIT = 120.0
@@ -72,6 +72,28 @@ def auc(score: np.ndarray, y: np.ndarray) -> float:
 
 #: metric name -> (function of (scores, labels), higher is better)
 METRICS = {"log_loss": (log_loss, False), "auc": (auc, True)}
+
+#: how many of a table's most touched keys the progress line and ``TrainResult.hot_keys``
+#: sum up (each shard reports its own top ones: the global top ones are among them)
+HOT_TOP = 10
+
+
+def hot_keys(infos: Sequence[dict[str, Any]], top: int = HOT_TOP) -> dict[str, dict[str, Any]]:
+    """Per table, over every shard (their ``info(top)``): the ``top`` most touched keys
+    ``[(key, touches), ...]``, all touches (one per key per update that touched it), and
+    the share of all touches that the top keys took (a key lives on one shard, so the
+    global top ``top`` are among the shards' own top ``top``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for info in infos:
+        for name, t in info.get("tables", {}).items():
+            entry = out.setdefault(name, {"hottest": [], "touches": 0})
+            entry["hottest"].extend((int(k), int(n)) for k, n in t.get("hottest", ()))
+            entry["touches"] += int(t.get("touches", 0))
+    for entry in out.values():
+        entry["hottest"] = sorted(entry["hottest"], key=lambda kn: (-kn[1], kn[0]))[:top]
+        total = entry["touches"]
+        entry["share"] = sum(n for _, n in entry["hottest"]) / total if total else 0.0
+    return out
 
 
 class Epochs(CoordinatorOperator):
@@ -280,7 +302,7 @@ class Epochs(CoordinatorOperator):
     def _shard_line(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Each shard's counters now, and a summary of the epoch: keys held, bytes in and
         out per step, the balance of keys over shards."""
-        infos = self._each("info")
+        infos = self._each("info", [HOT_TOP] * len(self.shard_names))
         before = {i["shard"]: i for i in self.last_info}
         keys = [sum(t["keys"] for t in i["tables"].values()) for i in infos]
         moved = sum(
@@ -299,6 +321,7 @@ class Epochs(CoordinatorOperator):
             "bytes_per_call": moved / calls if calls else 0.0,
             "bytes": moved,
             "calls": calls,
+            "hot_share": {t: h["share"] for t, h in hot_keys(infos).items()},
         }
         return infos, summary
 
@@ -340,6 +363,8 @@ class Epochs(CoordinatorOperator):
             line["keys"] = summary["keys"]
             if summary["calls"]:
                 line["kB/call"] = summary["bytes_per_call"] / 1e3
+            if summary["hot_share"]:  # the hottest table's top keys' share of touches
+                line[f"top{HOT_TOP}%"] = 100.0 * max(summary["hot_share"].values())
         out.output("ps", line)
         # The model lives in the shards; publishing the epoch is what feeds the next
         # epoch (partition feedback alone keeps no iteration alive, docs/semantics.md).

@@ -60,7 +60,7 @@ from ..ml._base import (
 )
 from ..ml._features import VECTOR, column_kind, resolve_features
 from ._client import Shards, TablePlan
-from ._epochs import METRICS, Epochs
+from ._epochs import HOT_TOP, METRICS, Epochs, hot_keys
 from ._layout import Layout
 from ._model import Model, _TableMeta
 from ._optim import SGD, Optimizer
@@ -112,6 +112,14 @@ class TrainResult:
         """Per epoch, the evaluation metrics over ``eval_df`` (``epoch``, ``rows`` and one
         entry per metric)."""
         return list(self.result.outputs.get("eval", []))
+
+    @property
+    def hot_keys(self) -> dict[str, dict[str, Any]]:
+        """Per table, its most touched keys over every shard at the end of the run:
+        ``hottest`` ``[(key, touches), ...]`` (the top 10), ``touches`` (all: one per key
+        per update that touched it) and ``share`` (the top keys' share of them). Per
+        epoch, ``result.outputs["shards"][e]["hot_share"]``."""
+        return hot_keys(self.shards, HOT_TOP)
 
     @property
     def best(self) -> dict[str, Any] | None:
@@ -543,7 +551,9 @@ def train(
         model: Model | None = None
         made = _Made(layout, specs, key_cols, [], [], [], predict_fn, names, widths, csr, address)
         try:
-            shard_names, shards, held = _launch(
+            # the shards' processes start while the Spark stage starts and reads its
+            # data (the tasks' first call to a shard waits for it): not one after the other
+            shard_names, shards, held, started = _start(
                 flat,
                 bounds,
                 optimizer,
@@ -603,11 +613,15 @@ def train(
             streams = [DataStream(df.select(*names, *csr), numeric_columns=tuple(scalar) or None)]
             if evaluation is not None:
                 streams.append(DataStream(eval_df.select(*evaluation.columns)))
-            result = iterate_bounded_streams_until_termination(
-                {"epoch": 0}, ReplayableDataStreamList.not_replay(*streams), config, body
-            )
+            try:
+                result = iterate_bounded_streams_until_termination(
+                    {"epoch": 0}, ReplayableDataStreamList.not_replay(*streams), config, body
+                )
+            except BaseException:
+                _raise_if_not_started(started)  # a shard that could not start says why
+                raise
             values = _get([s.values.remote() for s in shards])
-            info = _get([s.info.remote(10) for s in shards])
+            info = _get([s.info.remote(HOT_TOP) for s in shards])
             model = made.model(values)
         except WorkerDiedError:
             raise  # relaunched from ``init`` below: nothing of this launch is kept
@@ -717,6 +731,42 @@ def _launch(
     checkpoint key."""
     import ray
 
+    names, handles, held, started = _start(
+        flat,
+        bounds,
+        optimizer,
+        num_workers=num_workers,
+        sync=sync,
+        tables=tables,
+        staleness_steps=staleness_steps,
+        max_restarts=max_restarts,
+        key=key,
+        label=label,
+    )
+    try:
+        ray.get(started)  # started (a bad spec fails here)
+    except BaseException:
+        stop_shards(handles)
+        raise
+    return names, handles, held
+
+
+def _start(
+    flat: np.ndarray,
+    bounds: Sequence[int],
+    optimizer: Optimizer,
+    *,
+    num_workers: int,
+    sync: bool,
+    tables: Sequence[TableSpec] = (),
+    staleness_steps: int | None = None,
+    max_restarts: int = 0,
+    key: bytes = b"",
+    label: str = "train",
+) -> tuple[list[str], list[Any], list[Any], list[Any]]:
+    """``_launch`` without waiting: the shards are created (named: tasks find them at
+    once) and their processes start in the background; the fourth item holds one
+    reference per shard that resolves once it is up (or raises why it could not)."""
     run_id = uuid.uuid4().hex[:12]
     # sync mode: an asyncio actor whose pulls wait for a step; async mode: a plain actor,
     # one call at a time with no event loop in between (nothing ever waits there)
@@ -755,11 +805,33 @@ def _launch(
                 held.append(launched)
             else:
                 handles.append(launch(shard_cls, name, spec))
-        ray.get([h.info.remote() for h in handles])  # started (a bad spec fails here)
+        started = [h.hello.remote() for h in handles]
     except BaseException:
         stop_shards(handles)
         raise
-    return names, handles, held
+    return names, handles, held, started
+
+
+#: seconds a failed run waits for its shards' start to learn whether one failed to start
+_START_CHECK_TIMEOUT = 60.0
+
+
+def _raise_if_not_started(started: Sequence[Any]) -> None:
+    """Raise the error of a shard that could not start (its constructor's), which is the
+    cause of a run that failed with it: the tasks only saw the shard gone. Returns when
+    every shard started, or when they cannot be asked."""
+    import ray
+
+    try:
+        ray.get(list(started), timeout=_START_CHECK_TIMEOUT)
+    except ray.exceptions.GetTimeoutError:
+        return
+    except ray.exceptions.RayActorError as ex:
+        # its message ends with the creation task's exception (the traceback before it)
+        lines = [ln.strip() for ln in str(ex).splitlines() if ln.strip()]
+        raise IterationConfigError(
+            f"a parameter shard could not start: {lines[-1] if lines else type(ex).__name__}"
+        ) from ex
 
 
 def launch_table_shards(
