@@ -53,6 +53,12 @@
     │       (RuntimeError)                   batch Spark committed
     ├── CutError (RuntimeError)              the coordinator's cut protocol saw an event
     │                                        it does not allow (a bug, not user input)
+    ├── EndpointError (ConnectionError)      a subtask cannot use its coordinator's
+    │   │                                    endpoint (unreachable, failed); names the
+    │   │                                    address and the fix
+    │   ├── EndpointAuthError                the endpoint refused the subtask's token
+    │   └── EndpointVersionMismatch          subtask and coordinator protocol versions
+    │                                        differ
     └── RemoteFailure                        one failure of user code, with where, epoch
                                              and the original traceback
 
@@ -80,6 +86,9 @@ from coordinator import (
     CheckpointEncodeError,
     CheckpointError,
     ConfigTypeError,
+    EndpointAuthError,
+    EndpointError,
+    EndpointVersionMismatch,
     HybridIterError,
     IterationConfigError,
     RemoteFailure,
@@ -94,6 +103,9 @@ __all__ = [
     "CheckpointError",
     "ConfigTypeError",
     "DataValidationError",
+    "EndpointAuthError",
+    "EndpointError",
+    "EndpointVersionMismatch",
     "HybridIterError",
     "IterationConfigError",
     "IterationFailedError",
