@@ -279,6 +279,39 @@ def _chunks(ref: EndpointRef, values: Mapping[str, np.ndarray]) -> Iterator[pa.R
             yield _batch(raw[start : start + _CHUNK])
 
 
+def _piece(batch: pa.RecordBatch) -> np.ndarray:
+    """The bytes of one streamed chunk, in place."""
+    col = batch.column(0)
+    return np.frombuffer(col.buffers()[1], np.uint8, len(col), col.offset)
+
+
+def assemble(ref: EndpointRef, pieces: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """The variables of ``ref`` from its streamed chunks (``_chunks``' order), as
+    read-only arrays: in place for a variable that came in one chunk, joined (one copy)
+    otherwise. ``ValueError`` when the chunks do not add up to the layout."""
+    out, got = {}, iter(pieces)
+    for name, dtype, shape, nbytes in ref.layout:
+        parts, have = [], 0
+        while have < nbytes:
+            part = next(got, None)
+            if part is None:
+                raise ValueError(f"short in {name!r}: {have} of {nbytes} bytes")
+            parts.append(part)
+            have += len(part)
+        if have != nbytes:
+            raise ValueError(f"{name!r}: {have} bytes for {nbytes}")
+        raw = parts[0] if len(parts) == 1 else np.concatenate(parts or [_EMPTY])
+        dt = np.dtype(dtype)
+        if raw.ctypes.data % dt.alignment:
+            raw = raw.copy()  # numpy reads unaligned data slowly
+        arr = raw.view(dt).reshape(shape)
+        arr.flags.writeable = False
+        out[name] = arr
+    if next(got, None) is not None:
+        raise ValueError("more chunks than the layout holds")
+    return out
+
+
 def _batch(raw: np.ndarray) -> pa.RecordBatch:
     arr = pa.Array.from_buffers(pa.uint8(), len(raw), [None, pa.py_buffer(raw)])
     return pa.RecordBatch.from_arrays([arr], schema=_BYTES)
@@ -457,39 +490,22 @@ class FlightLink:
         return values
 
     def _stream(self, ref: EndpointRef) -> dict[str, np.ndarray]:
-        """One ``DoGet`` of version ``ref``: read-only arrays over the received bytes
-        (in place for a variable that came in one chunk)."""
-        pieces: list[np.ndarray] = []
+        """One ``DoGet`` of version ``ref``: its variables, read-only."""
         try:
             reader = self._client.do_get(flight.Ticket(str(ref.version).encode()), self._options)
-            for chunk in reader:
-                col = chunk.data.column(0)
-                pieces.append(np.frombuffer(col.buffers()[1], np.uint8, len(col), col.offset))
+            pieces = [_piece(chunk.data) for chunk in reader]
         except flight.FlightError as ex:
             raise EndpointError(
                 f"the coordinator endpoint at {self.address.address} failed streaming "
                 f"variables version {ref.version}: {str(ex).splitlines()[0]}"
             ) from None
-        out, got = {}, iter(pieces)
-        for name, dtype, shape, nbytes in ref.layout:
-            parts, have = [], 0
-            while have < nbytes:
-                part = next(got, None)
-                if part is None:
-                    raise EndpointError(
-                        f"the coordinator endpoint at {self.address.address} streamed "
-                        f"variables version {ref.version} short (in {name!r})"
-                    )
-                parts.append(part)
-                have += len(part)
-            raw = parts[0] if len(parts) == 1 else np.concatenate(parts or [_EMPTY])
-            dt = np.dtype(dtype)
-            if raw.ctypes.data % dt.alignment:
-                raw = raw.copy()  # numpy reads unaligned data slowly
-            arr = raw.view(dt).reshape(shape)
-            arr.flags.writeable = False
-            out[name] = arr
-        return out
+        try:
+            return assemble(ref, pieces)
+        except ValueError as ex:
+            raise EndpointError(
+                f"the coordinator endpoint at {self.address.address} streamed variables "
+                f"version {ref.version} wrong: {ex}"
+            ) from None
 
     def report(self, *args: Any) -> Pending[Reply]:
         return self._call("report", *args)

@@ -23,6 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from checkpoint_job import DIMS, Step
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ops import GradientDescent, LinRegPartition, Recorder, RecordingCoordinator, make_regression
 from test_recovery import CopyingGrad, CountingGrad, _kill_when_written
 
@@ -512,3 +514,61 @@ def test_a_tls_iteration_on_spark_and_ray_gives_the_ray_result(spark, regression
         )
 
     assert run("endpoint", tls).variables["w"].tobytes() == run("ray").variables["w"].tobytes()
+
+
+# -- the variables codec -------------------------------------------------------------------
+
+DTYPES = ["<f8", ">f8", "<f4", "<i8", "<i4", "|i1", "|u1", "|b1", "<c16", "<u2"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    arrays=st.lists(
+        st.tuples(
+            st.sampled_from(DTYPES),
+            st.lists(st.integers(0, 5), min_size=0, max_size=3),
+            st.integers(0, 2**32 - 1),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    chunk=st.integers(1, 64),
+)
+def test_streamed_variables_come_back_equal_and_read_only(arrays, chunk):
+    import coordinator._endpoint as endpoint
+
+    values = {}
+    for i, (dtype, shape, seed) in enumerate(arrays):
+        raw = np.random.default_rng(seed).integers(
+            0, 256, int(np.prod(shape, dtype=int)) * np.dtype(dtype).itemsize, dtype=np.uint8
+        )
+        values[f"v{i}"] = raw.view(np.dtype(dtype)).reshape(shape)
+    layout = tuple((n, a.dtype.str, tuple(a.shape), a.nbytes) for n, a in values.items())
+    ref = endpoint.EndpointRef("server", 3, layout)
+    saved = endpoint._CHUNK
+    endpoint._CHUNK = chunk  # small chunks: variables split over several
+    try:
+        pieces = [endpoint._piece(b) for b in endpoint._chunks(ref, values)]
+    finally:
+        endpoint._CHUNK = saved
+    got = endpoint.assemble(ref, pieces)
+    assert list(got) == list(values)
+    for name, arr in values.items():
+        back = got[name]
+        assert back.dtype == arr.dtype and back.shape == arr.shape
+        assert back.tobytes() == arr.tobytes()
+        assert not back.flags.writeable
+    if pieces:
+        with pytest.raises(ValueError):
+            endpoint.assemble(ref, pieces[:-1])
+
+
+def test_a_variable_larger_than_a_chunk_is_streamed_whole():
+    spec = EndpointSpec(bind="127.0.0.1:0", token="s")
+    with _served(spec, size=700_000) as (coord, location):  # 5.6 MB: 3 chunks
+        link = FlightLink(EndpointAddress(location, "s"))
+        payload = link.variables(-1).result(60)
+        values = link.resolve(payload)
+        assert values["v"].shape == (700_000,) and not values["v"].flags.writeable
+        assert values["v"].tobytes() == coord.store.values["v"].tobytes()
+        link.close()
