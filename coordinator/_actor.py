@@ -3,10 +3,9 @@
 Written as a plain class; ``hybrid_iter`` wraps it with ``ray.remote(num_cpus=0)`` where
 it launches it. Each call from a Spark task or the driver becomes an event for the core
 (``_core.py``: every decision), whose instructions ``_run`` carries out: answer waiting
-calls (their futures), run user callbacks (``_host.py``, in the actor's event loop, so
-user code is never run concurrently with itself), write checkpoints (``_snapshots.py``).
-The only Ray API it touches is ``ray.put``/``get`` for large variable versions, found
-when Ray is running, so the class works without Ray in tests.
+calls (their futures), run user callbacks (``_host.py``, in the actor's event loop: user
+code never runs concurrently with itself), write checkpoints (``_snapshots.py``). Its only
+Ray API is ``ray.put``/``get`` of large variable versions (when Ray runs: tests go without).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from ._core import (
     UserCall,
     WriteCheckpoint,
 )
+from ._endpoint import EndpointServing
 from ._errors import RemoteFailure, UserCodeFailed
 from ._host import OperatorHost
 from ._protocol import Emissions, Progress, Reply, ResultData
@@ -56,8 +56,8 @@ from ._variables import VariablesPayload, VariablesStore
 __all__ = ["IterationCoordinator"]
 
 
-class IterationCoordinator:
-    """One iteration's coordinator. All public methods are called through Ray."""
+class IterationCoordinator(EndpointServing):
+    """One iteration's coordinator, called through Ray (or its endpoint, ``_endpoint.py``)."""
 
     spec: CoordinatorSpec
 
@@ -96,6 +96,7 @@ class IterationCoordinator:
         feedback tree) or holds a failure."""
         if self.core.failures or (self._tree is not None and self._tree.groups):
             return False
+        self.close_endpoint()
         self.__dict__.clear()
         return True
 
@@ -325,9 +326,8 @@ class IterationCoordinator:
 
     async def busy(self) -> tuple[str, int, float] | None:
         """The user call the actor is in, if any: ``(operator.method, epoch, seconds)``.
-
-        The driver calls it in the ``watch`` concurrency group (its own event loop
-        thread), so it answers while the main loop is stuck in a coordinator operator."""
+        The driver calls it in the ``watch`` concurrency group (its own event loop thread),
+        so it answers while the main loop is stuck in a coordinator operator."""
         busy = self.host.busy
         return None if busy is None else (busy[0], busy[1], time.monotonic() - busy[2])
 

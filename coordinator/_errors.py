@@ -18,6 +18,9 @@ __all__ = [
     "ConfigTypeError",
     "CoreError",
     "CutError",
+    "EndpointAuthError",
+    "EndpointError",
+    "EndpointVersionMismatch",
     "FeedbackShapeMismatch",
     "ForeignCheckpoint",
     "HybridIterError",
@@ -51,6 +54,19 @@ class ConfigTypeError(IterationConfigError, TypeError):
 class UsageError(HybridIterError, RuntimeError):
     """An API called where it cannot be (``out.criteria()`` without a criteria stream,
     ``LBFGS.tell()`` after the minimisation finished, ...)."""
+
+
+class EndpointError(HybridIterError, ConnectionError):
+    """A subtask cannot talk to its coordinator's endpoint (unreachable, or it failed);
+    the message names the address and the fix."""
+
+
+class EndpointAuthError(EndpointError):
+    """The coordinator endpoint refused the subtask's token."""
+
+
+class EndpointVersionMismatch(EndpointError):
+    """The subtask and the coordinator endpoint speak different protocol versions."""
 
 
 class CheckpointError(HybridIterError):

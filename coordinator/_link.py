@@ -2,16 +2,19 @@
 
 A subtask (``hybrid_iter._runtime.task``) talks to its coordinator only through a
 ``CoordinatorLink``: each call returns a ``Pending`` answer the task waits on (or polls,
-to read data while the answer is on the way). Two transports implement it:
+to read data while the answer is on the way). Three implement it:
 
 * ``RayLink``: Ray actor calls to the coordinator actor (and its feedback group actors),
-  variables read zero-copy from the object store. The transport of every run today.
+  variables read zero-copy from the object store. Where a raylet runs beside the
+  executors (``Session.local``, ``on_spark``, ``raydp``).
 * ``InProcessLink``: the coordinator as a plain object on an asyncio loop of this process
   (no Ray): the subtask runtime is tested against the real coordinator with it.
+* ``FlightLink`` (``_endpoint.py``): the coordinator endpoint, an Arrow Flight server in
+  the coordinator actor's process, for subtasks without a raylet on their host (Spark
+  Connect, Spark on Kubernetes beside KubeRay): nothing of Ray in the subtask.
 
-Another transport (a network endpoint served beside the coordinator, for Spark Connect
-clients without a raylet) implements the same calls; the protocol, its determinism and
-its recovery do not change.
+The subtask's runtime picks the link from its task plan (``IterationConfig.transport``);
+the protocol, its determinism and its recovery are the same over every link.
 """
 
 from __future__ import annotations

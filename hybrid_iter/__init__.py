@@ -34,12 +34,15 @@ from ._body import (
     TerminationCriteria,
 )
 from ._bulk_delta import BulkStep, DeltaStep, iterate_bulk, iterate_delta
-from ._config import CheckpointConfig, IterationConfig, OperatorLifecycle
+from ._config import CheckpointConfig, EndpointConfig, IterationConfig, OperatorLifecycle
 from ._errors import (
     CheckpointEncodeError,
     CheckpointError,
     ConfigTypeError,
     DataValidationError,
+    EndpointAuthError,
+    EndpointError,
+    EndpointVersionMismatch,
     HybridIterError,
     IterationConfigError,
     IterationFailedError,
@@ -85,6 +88,10 @@ __all__ = [
     "DataStream",
     "DataValidationError",
     "DeltaStep",
+    "EndpointAuthError",
+    "EndpointConfig",
+    "EndpointError",
+    "EndpointVersionMismatch",
     "ForwardInputsOfLastRound",
     "HybridIterError",
     "IterationBody",

@@ -10,7 +10,10 @@ from coordinator import RuntimeHooks
 
 from ._errors import IterationConfigError
 
-__all__ = ["CheckpointConfig", "IterationConfig", "OperatorLifecycle"]
+__all__ = ["CheckpointConfig", "EndpointConfig", "IterationConfig", "OperatorLifecycle"]
+
+#: how subtasks reach their coordinator (``IterationConfig.transport``)
+TRANSPORTS = ("auto", "ray", "endpoint")
 
 
 class OperatorLifecycle(str, enum.Enum):
@@ -85,6 +88,68 @@ class CheckpointConfig:
             )
 
 
+def _check_hostport(field: str, value: object, *, optional: bool) -> None:
+    if value is None and optional:
+        return
+    host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise IterationConfigError(
+            f"{field} must be 'host:port' (port 0: any free port), got {value!r}"
+        )
+
+
+def _check_file(field: str, value: object) -> None:
+    import os
+
+    if value is None:
+        return
+    if not isinstance(value, str) or not os.path.isfile(value):
+        raise IterationConfigError(f"{field} must be the path of a PEM file, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndpointConfig:
+    """The coordinator endpoint (``IterationConfig(transport="endpoint")``): a server in
+    the coordinator actor's process that subtasks reach without Ray (DESIGN.md section 2).
+
+    * ``bind``: ``host:port`` the server listens on, on the coordinator's node (None: that
+      node's address, any free port). ``"0.0.0.0:8815"`` listens everywhere.
+    * ``advertise``: ``host:port`` the executors dial (a Kubernetes Service, a load
+      balancer); None: the bound host and port.
+    * ``token``: the shared secret every call carries; None: ``HYBRID_ITER_ENDPOINT_TOKEN``
+      of the driver's environment, else a random one made for each run. It travels to
+      the coordinator over Ray and to the subtasks in their task plan.
+    * ``tls_cert``, ``tls_key``: PEM files of the server's certificate and key (both or
+      neither: TLS on); ``tls_root_certs``: what the subtasks verify the server's
+      certificate against (default: ``tls_cert``, a self-signed certificate).
+    * ``connect_timeout``: seconds a subtask's first call may take before the endpoint
+      counts as unreachable.
+    """
+
+    bind: str | None = None
+    advertise: str | None = None
+    token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_root_certs: str | None = None
+    connect_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        _check_hostport("EndpointConfig.bind", self.bind, optional=True)
+        _check_hostport("EndpointConfig.advertise", self.advertise, optional=True)
+        if self.token is not None and (not isinstance(self.token, str) or not self.token):
+            raise IterationConfigError("EndpointConfig.token must be a non-empty string or None")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise IterationConfigError(
+                "EndpointConfig.tls_cert and tls_key go together: give both (TLS) or neither"
+            )
+        for name in ("tls_cert", "tls_key", "tls_root_certs"):
+            _check_file(f"EndpointConfig.{name}", getattr(self, name))
+        if self.tls_root_certs is not None and self.tls_cert is None:
+            raise IterationConfigError("EndpointConfig.tls_root_certs needs tls_cert and tls_key")
+        _check_call_timeout("EndpointConfig.connect_timeout", self.connect_timeout)
+
+
 @dataclass(frozen=True, kw_only=True)
 class IterationConfig:
     """How an iteration runs.
@@ -116,6 +181,12 @@ class IterationConfig:
       ``IterationFailedError`` naming the partition or operator, the method and the
       epoch (default 600; raise it for callbacks that legitimately take longer). An
       online iteration takes it over (``OnlineConfig.call_timeout``).
+    * ``transport``: how subtasks reach the coordinator. ``"ray"``: Ray actor calls and
+      the object store (a raylet on every executor's host: ``Session.local``,
+      ``on_spark``, ``raydp``); ``"endpoint"``: the coordinator endpoint
+      (``endpoint``), nothing of Ray on the executors; ``"auto"`` (default): the
+      endpoint for a Spark Connect session, Ray otherwise.
+    * ``endpoint``: the ``EndpointConfig`` of ``transport="endpoint"`` (None: defaults).
     """
 
     staleness: int | None = 0
@@ -131,6 +202,8 @@ class IterationConfig:
     max_restarts: int | None = None
     hooks: RuntimeHooks | None = None
     call_timeout: float = 600.0
+    transport: str = "auto"
+    endpoint: EndpointConfig | None = None
 
     def __post_init__(self) -> None:
         if self.staleness is not None and (not _is_int(self.staleness) or self.staleness < 0):
@@ -183,6 +256,15 @@ class IterationConfig:
                 f"hybrid_iter.testing.FaultInjection), got {type(self.hooks).__name__}"
             )
         _check_call_timeout("IterationConfig.call_timeout", self.call_timeout)
+        if self.transport not in TRANSPORTS:
+            raise IterationConfigError(
+                f"IterationConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}"
+            )
+        if self.endpoint is not None and not isinstance(self.endpoint, EndpointConfig):
+            raise IterationConfigError(
+                f"IterationConfig.endpoint must be an EndpointConfig(...), got "
+                f"{type(self.endpoint).__name__}"
+            )
 
     @property
     def restarts(self) -> int:

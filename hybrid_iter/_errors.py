@@ -72,6 +72,12 @@ import them (``hybrid_iter``, ``hybrid_iter.ps``, ``hybrid_iter.cli``,
     │                                        allow (a bug, not user input)
     ├── InjectedFault (RuntimeError)         test-only: ``FaultInjection`` made a subtask
     │                                        fail (``hybrid_iter.testing`` re-exports it)
+    ├── EndpointError (ConnectionError)      a subtask cannot use its coordinator's
+    │   │                                    endpoint (unreachable, failed); names the
+    │   │                                    address and the fix
+    │   ├── EndpointAuthError                the endpoint refused the subtask's token
+    │   └── EndpointVersionMismatch          subtask and coordinator protocol versions
+    │                                        differ
     └── RemoteFailure                        one failure of user code, with where, epoch
                                              and the original traceback
 
@@ -107,6 +113,9 @@ from coordinator._errors import (
     CheckpointEncodeError,
     CheckpointError,
     ConfigTypeError,
+    EndpointAuthError,
+    EndpointError,
+    EndpointVersionMismatch,
     HybridIterError,
     IterationConfigError,
     RemoteFailure,
@@ -123,6 +132,9 @@ __all__ = [
     "ConfigTypeError",
     "ConvergenceWarning",
     "DataValidationError",
+    "EndpointAuthError",
+    "EndpointError",
+    "EndpointVersionMismatch",
     "HybridIterError",
     "InjectedFault",
     "IterationConfigError",

@@ -68,6 +68,7 @@ from .._errors import (
 from .._result import IterationResult
 from .._session import Session
 from .._streams import ReplayableDataStreamList, _is_dataframe
+from .endpoint import EndpointPlan
 from .feedback_combine import tree_spec
 from .metrics import RunMeter, bounded_description, bounded_meter
 from .placement import (
@@ -328,6 +329,7 @@ def iterate_bounded_streams_until_termination(
     address = _ray_address(spark)
     per_round = config.operator_lifecycle is OperatorLifecycle.PER_ROUND
     tree = tree_spec(body, config.staleness)  # feedback_combine: refused here if async
+    endpoint = EndpointPlan.of(config, spark, tree)  # None: the subtasks use Ray
 
     from .ray_util import connect
 
@@ -425,7 +427,11 @@ def iterate_bounded_streams_until_termination(
             else:  # restarted by Ray: it serves the next launch once told so
                 _call(actor, "begin_attempt", attempt)
             run_plan = dataclasses.replace(
-                plan, actor_name=actor_name, attempt=attempt, restore=restore
+                plan,
+                actor_name=actor_name,
+                attempt=attempt,
+                restore=restore,
+                endpoint=endpoint.serve(actor) if endpoint is not None else None,
             )
             if attempt > 0:
                 _wait_for_slots(spark, n, config, attempt, checkpoint, expect)

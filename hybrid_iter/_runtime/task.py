@@ -81,15 +81,42 @@ class TaskPlan:
     checkpoint_every: int = 0
     #: the iteration ends at alignment ``max_epochs`` (no cut there); None: no limit
     max_epochs: int | None = None
+    #: the coordinator endpoint (``coordinator._endpoint.EndpointAddress``) the subtasks
+    #: reach their coordinator through, without Ray; None: through Ray
+    endpoint: Any = None
 
 
-_links: dict[tuple[str, str], RayLink] = {}
+_links: dict[tuple[str, str], CoordinatorLink] = {}
 #: feedback_combine: (run, attempt, partition) -> (group link or None, combiner)
 _groups: dict[tuple[str, int, int], tuple[Any, Any]] = {}
 
 
-def _coordinator(plan: Any) -> RayLink:
-    """The Ray link to the coordinator actor ``plan.actor_name`` (cached per worker)."""
+def _coordinator(plan: Any) -> CoordinatorLink:
+    """The link to the run's coordinator (cached per worker): its endpoint when the plan
+    names one (no Ray in this process), else the Ray actor ``plan.actor_name``."""
+    endpoint = getattr(plan, "endpoint", None)
+    if endpoint is not None:
+        key = (endpoint.location, endpoint.token)
+        link = _links.get(key)
+        if link is None:
+            from coordinator._endpoint import FlightLink
+
+            _drop_links()
+            link = _links[key] = FlightLink(endpoint)
+        return link
+    return _ray_coordinator(plan)
+
+
+def _drop_links() -> None:
+    """One live iteration per worker at a time: drop stale links."""
+    for old in _links.values():
+        close = getattr(old, "close", None)
+        if close is not None:
+            close()
+    _links.clear()
+
+
+def _ray_coordinator(plan: Any) -> CoordinatorLink:
     from .ray_util import connect
 
     connect(plan.ray_address, namespace=plan.namespace)
@@ -98,7 +125,7 @@ def _coordinator(plan: Any) -> RayLink:
     if link is None:
         import ray
 
-        _links.clear()  # one live iteration per worker at a time; drop stale handles
+        _drop_links()
         handle = ray.get_actor(plan.actor_name, namespace=plan.namespace)
         link = _links[key] = RayLink(handle)
     return link

@@ -1,0 +1,574 @@
+"""The coordinator endpoint: subtasks that reach their coordinator without Ray.
+
+The same iterations run over both transports (``IterationConfig(transport=...)``) on
+real Spark and Ray and give the same results: sync bit for bit, async, termination,
+large variables, checkpoint and restore after an injected fault and after a SIGKILLed
+Spark worker. Bad input (an unreachable address, a wrong token, another protocol
+version) is a clear error naming the address and the fix. The endpoint's own pieces
+(variables streamed once per version per process, TLS) run against the real coordinator
+in this process, without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import cloudpickle
+import numpy as np
+import pyarrow as pa
+import pytest
+from checkpoint_job import DIMS, Step
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ops import GradientDescent, LinRegPartition, Recorder, RecordingCoordinator, make_regression
+from test_recovery import CopyingGrad, CountingGrad, _kill_when_written
+
+import hybrid_iter as hi
+from coordinator import CoordinatorSpec, IterationCoordinator
+from coordinator._endpoint import (
+    PROTOCOL_VERSION,
+    VERSIONS,
+    EndpointAddress,
+    EndpointSpec,
+    FlightLink,
+)
+from hybrid_iter._runtime.task import TaskPlan, run_subtask
+from hybrid_iter.testing import FaultInjection
+
+FEATURES = ["x0", "x1", "x2", "x3"]
+TRANSPORTS = ["ray", "endpoint"]
+
+
+@pytest.fixture(scope="module")
+def regression(spark):
+    return make_regression(spark, rows=1200, dims=4, partitions=2)
+
+
+def _iterate(init, df, body, **config):
+    return hi.iterate_bounded_streams_until_termination(
+        init, hi.ReplayableDataStreamList.not_replay(df), hi.IterationConfig(**config), body
+    )
+
+
+def both(fn):
+    """``fn(transport)`` over Ray and over the endpoint."""
+    return {t: fn(t) for t in TRANSPORTS}
+
+
+# -- the same results over both transports ------------------------------------------------
+
+
+def test_sync_gives_the_same_variables_and_losses_bit_for_bit(spark, regression):
+    df, X, y = regression
+    got = both(
+        lambda t: _iterate(
+            {"w": np.zeros(4), "b": 0.0},
+            df,
+            hi.IterationBody(
+                LinRegPartition(FEATURES),
+                GradientDescent(lr=0.3, total_rows=len(y), intercept=True),
+            ),
+            max_epochs=12,
+            parallelism=2,
+            transport=t,
+        )
+    )
+    ray, ep = got["ray"], got["endpoint"]
+    assert ep.terminated_by == ray.terminated_by == "max_epochs"
+    assert ep.epochs == ray.epochs == 12
+    assert ep.variables["w"].tobytes() == ray.variables["w"].tobytes()
+    assert float(ep.variables["b"]) == float(ray.variables["b"])
+    assert ep.outputs["loss"] == ray.outputs["loss"]
+    assert ep.rows == ray.rows and ep.feedback_counts == ray.feedback_counts
+
+
+def test_async_runs_every_epoch_and_converges_alike(spark, regression):
+    df, X, y = regression
+    got = both(
+        lambda t: _iterate(
+            {"w": np.zeros(4)},
+            df,
+            hi.IterationBody(LinRegPartition(FEATURES), GradientDescent(lr=0.5, total_rows=len(y))),
+            staleness=None,
+            max_epochs=30,
+            parallelism=2,
+            transport=t,
+        )
+    )
+    ray, ep = got["ray"], got["endpoint"]
+    assert ep.terminated_by == ray.terminated_by == "max_epochs"
+    assert ep.subtask_epochs == ray.subtask_epochs == {0: 30, 1: 30}
+    assert ep.feedback_counts == ray.feedback_counts
+    # async: the order feedback arrives in differs from run to run, the optimum does not
+    truth = np.linalg.lstsq(X, y, rcond=None)[0]
+    for r in (ray, ep):
+        np.testing.assert_allclose(r.variables["w"], truth, atol=0.05)
+
+
+def test_termination_and_every_callback_are_the_same(spark):
+    df = spark.range(40, numPartitions=2)
+    got = both(
+        lambda t: _iterate(
+            {"version": 0},
+            df,
+            hi.IterationBody(Recorder(criteria_until=3), RecordingCoordinator(), criteria=True),
+            parallelism=2,
+            max_epochs=50,
+            transport=t,
+        )
+    )
+    ray, ep = got["ray"], got["endpoint"]
+    assert ep.terminated_by == ray.terminated_by == "criteria"
+    assert ep.epochs == ray.epochs == 4
+    assert sorted(ep.outputs["event"]) == sorted(ray.outputs["event"])
+    assert ep.outputs["coord"] == ray.outputs["coord"]
+
+
+class ReadsBig(hi.PartitionOperator):
+    """Reads every version of a large variable; outputs what it saw and how many large
+    versions its process streamed."""
+
+    def open(self, ctx):
+        self.seen = []
+
+    def process_data(self, stream, batch, ctx, out):
+        pass
+
+    def process_variables(self, variables, ctx, out):
+        big, m = variables["big"], variables["m"]
+        self.seen.append(
+            (
+                float(big.sum()),
+                big.dtype.str,
+                big.shape,
+                m.dtype.str,
+                m.shape,
+                float(variables["s"]),
+                variables["s"].shape,
+                big.flags.writeable,
+            )
+        )
+
+    def on_epoch_watermark_incremented(self, epoch, ctx, out):
+        out.feedback(1)
+
+    def on_iteration_terminated(self, ctx, out):
+        from coordinator._endpoint import VERSIONS  # this worker's, not the driver's
+
+        out.output("seen", (ctx.partition_id, self.seen))
+        out.output("streamed", (ctx.partition_id, os.getpid(), VERSIONS.streamed))
+
+
+class PublishesBig(hi.CoordinatorOperator):
+    def open(self, init_variables, ctx):
+        self.big = np.array(init_variables["big"])
+
+    def process_feedback(self, value, ctx, out):
+        pass
+
+    def on_epoch_watermark_incremented(self, epoch, ctx, out):
+        self.big = self.big + 1.0
+        out.publish_variables(big=self.big, m=np.full((3, 5), epoch, np.int32), s=epoch * 0.5)
+
+
+BIG = 200_000  # 1.6 MB: past the inline limit, streamed over the endpoint
+
+
+def test_large_variables_reach_every_subtask_alike_read_only_and_streamed_once(spark):
+    df = spark.range(20, numPartitions=2)
+    init = {"big": np.arange(BIG, dtype=np.float64), "m": np.zeros((3, 5), np.int32), "s": 0.0}
+    got = both(
+        lambda t: _iterate(
+            init,
+            df,
+            hi.IterationBody(ReadsBig(), PublishesBig()),
+            parallelism=2,
+            max_epochs=4,
+            transport=t,
+        )
+    )
+    ray, ep = got["ray"], got["endpoint"]
+    assert sorted(ep.outputs["seen"]) == sorted(ray.outputs["seen"])
+    for _pid, seen in ep.outputs["seen"]:
+        assert len(seen) == 5  # versions 0..4
+        assert all(not writeable for *_, writeable in seen)
+        assert {(s[1], s[2], s[3], s[4], s[6]) for s in seen} == {
+            ("<f8", (BIG,), "<i4", (3, 5), ())
+        }
+    # each Python worker streamed each large version once (a reused worker counts on)
+    for _pid, _process, streamed in ep.outputs["streamed"]:
+        assert 5 <= streamed and streamed % 5 == 0
+    assert ep.variables["big"].tobytes() == ray.variables["big"].tobytes()
+
+
+@pytest.fixture(scope="module")
+def ck_df(spark):
+    from checkpoint_job import data
+
+    frame = data(spark).cache()
+    frame.count()
+    return frame
+
+
+def _ck_run(df, partition, coordinator=None, **config):
+    return _iterate(
+        {"w": np.zeros(DIMS)},
+        df,
+        hi.IterationBody(partition, coordinator or Step()),
+        **{"max_epochs": 24, "parallelism": 2, **config},
+    )
+
+
+@pytest.fixture(scope="module")
+def clean(ck_df):
+    return _ck_run(ck_df, CopyingGrad(), transport="ray")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_injected_fault_is_restored_from_a_checkpoint_bit_for_bit(
+    ck_df, clean, tmp_path, transport
+):
+    faulty = _ck_run(
+        ck_df,
+        CopyingGrad(),
+        checkpoint=hi.CheckpointConfig(str(tmp_path / "ckpt"), every_epochs=4),
+        hooks=FaultInjection(fail_partition=0, at_epoch=14),
+        transport=transport,
+    )
+    assert len(faulty.extra["attempts"]) == 1
+    assert faulty.extra["checkpoint"]["restored_from"].endswith("chk-0000000012.ckpt")
+    assert faulty.variables["w"].tobytes() == clean.variables["w"].tobytes()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_sigkilled_spark_worker_is_recovered_bit_for_bit(ck_df, tmp_path, transport):
+    reference = _ck_run(ck_df, CountingGrad(), transport="ray")
+    marker, done = tmp_path / "worker.pid", threading.Event()
+    killer = _kill_when_written(marker, done)
+    try:
+        faulty = _ck_run(
+            ck_df,
+            CountingGrad(str(marker), block_at=11),
+            checkpoint=hi.CheckpointConfig(str(tmp_path / "ckpt"), every_epochs=5),
+            transport=transport,
+        )
+    finally:
+        done.set()
+        killer.join()
+    assert marker.exists()
+    assert len(faulty.extra["attempts"]) == 1
+    assert faulty.extra["checkpoint"]["restored_from"].endswith("chk-0000000010.ckpt")
+    assert faulty.variables["w"].tobytes() == reference.variables["w"].tobytes()
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_unreachable_endpoint_fails_the_run_naming_the_address(spark):
+    df = spark.range(10, numPartitions=2)
+    where = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    with pytest.raises(hi.IterationFailedError) as info:
+        _iterate(
+            {"version": 0},
+            df,
+            hi.IterationBody(Recorder(), RecordingCoordinator()),
+            parallelism=2,
+            max_epochs=2,
+            transport="endpoint",
+            endpoint=hi.EndpointConfig(advertise=where, connect_timeout=5),
+        )
+    text = str(info.value)
+    assert f"coordinator endpoint at {where} cannot be reached" in text
+    assert "advertise" in text
+
+
+def test_bad_endpoint_settings_are_refused_before_any_job(tmp_path):
+    with pytest.raises(hi.IterationConfigError, match="transport must be one of"):
+        hi.IterationConfig(transport="grpc")
+    with pytest.raises(hi.IterationConfigError, match="'host:port'"):
+        hi.EndpointConfig(bind="localhost")
+    cert = tmp_path / "cert.pem"
+    cert.write_text("x")
+    with pytest.raises(hi.IterationConfigError, match="tls_cert and tls_key go together"):
+        hi.EndpointConfig(tls_cert=str(cert))
+    with pytest.raises(hi.IterationConfigError, match="path of a PEM file"):
+        hi.EndpointConfig(tls_cert=str(cert), tls_key=str(tmp_path / "missing.pem"))
+    with pytest.raises(hi.IterationConfigError, match="endpoint must be an EndpointConfig"):
+        hi.IterationConfig(endpoint={"bind": "127.0.0.1:0"})
+
+
+# -- the endpoint against the real coordinator in this process (no Ray) -------------------
+
+N = 2
+EPOCHS = 4
+
+
+class Reader(hi.PartitionOperator):
+    """A partition operator that feeds back what it read of the variables."""
+
+    def open(self, ctx):
+        pass
+
+    def process_data(self, stream, batch, ctx, out):
+        pass
+
+    def process_variables(self, variables, ctx, out):
+        self.v = variables["v"]
+
+    def on_epoch_watermark_incremented(self, epoch, ctx, out):
+        out.feedback(float(self.v.sum()))
+
+    def close(self):
+        pass
+
+
+class Bump(hi.CoordinatorOperator):
+    def open(self, init_variables, ctx):
+        self.v = np.array(init_variables["v"])
+
+    def process_feedback(self, value, ctx, out):
+        out.output("read", (ctx.epoch, value))
+
+    def on_epoch_watermark_incremented(self, epoch, ctx, out):
+        self.v = self.v + 1.0
+        out.publish_variables(v=self.v)
+
+
+@contextmanager
+def _served(spec: EndpointSpec, size: int = 50_000) -> Iterator[tuple[IterationCoordinator, str]]:
+    """A real coordinator on a loop thread of this process, served on ``spec``."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    coord = IterationCoordinator(
+        CoordinatorSpec(
+            num_subtasks=N,
+            num_streams=1,
+            staleness=0,
+            max_epochs=EPOCHS,
+            has_criteria=False,
+            init_variables={"v": np.zeros(size)},
+            operators=cloudpickle.dumps((Bump(), None, [])),
+            attempt=0,
+        )
+    )
+    try:
+        location = asyncio.run_coroutine_threadsafe(coord.serve_endpoint(spec), loop).result(60)
+        yield coord, location
+    finally:
+        coord.close_endpoint()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
+def _run_stage(link_of) -> dict[int, Exception | None]:
+    plan = TaskPlan(
+        ray_address="",
+        namespace="",
+        actor_name="in-process",
+        operator=cloudpickle.dumps(Reader()),
+        num_subtasks=N,
+        numeric_columns=(None,),
+        staleness=0,
+        has_criteria=False,
+        max_epochs=EPOCHS,
+    )
+    batch = pa.record_batch({"x": pa.array([1.0])})
+    outcome: dict[int, Exception | None] = {}
+
+    def subtask(pid: int) -> None:
+        try:
+            run_subtask(plan, pid, iter([(0, batch)]), link_of())
+            outcome[pid] = None
+        except Exception as ex:
+            outcome[pid] = ex
+
+    threads = [threading.Thread(target=subtask, args=(p,)) for p in range(N)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive(), "a subtask hangs"
+    return outcome
+
+
+def test_subtasks_of_one_process_stream_each_large_version_once():
+    spec = EndpointSpec(bind="127.0.0.1:0", token="secret")
+    with _served(spec) as (coord, location):
+        before = VERSIONS.streamed
+        outcome = _run_stage(lambda: FlightLink(EndpointAddress(location, "secret")))
+        assert outcome == {0: None, 1: None}
+        result = coord.result()
+    assert result.epochs == EPOCHS and not result.failures
+    # versions 0..EPOCHS, each read by both subtasks, streamed once
+    assert VERSIONS.streamed - before == EPOCHS + 1
+    reads = sorted(v for _tag, v in ((r.tag, r.value) for r in result.outputs))
+    assert reads == sorted((e, float(e) * 50_000) for e in range(EPOCHS) for _ in range(N))
+
+
+def test_a_wrong_token_is_refused_naming_the_address_and_the_fix():
+    with _served(EndpointSpec(bind="127.0.0.1:0", token="right")) as (_coord, location):
+        with pytest.raises(hi.EndpointAuthError) as info:
+            FlightLink(EndpointAddress(location, "wrong", connect_timeout=10))
+    where = location.split("://")[1]
+    assert f"endpoint at {where} refused this subtask's token" in str(info.value)
+    assert "EndpointConfig(token=...)" in str(info.value)
+
+
+def test_another_protocol_version_is_refused_naming_both():
+    with _served(EndpointSpec(bind="127.0.0.1:0", token="t")) as (_coord, location):
+        with pytest.raises(hi.EndpointVersionMismatch) as info:
+            FlightLink(EndpointAddress(location, "t", connect_timeout=10), _protocol=99)
+    text = str(info.value)
+    assert f"client 99, coordinator {PROTOCOL_VERSION}" in text
+    assert location.split("://")[1] in text and "same hybrid_iter" in text
+
+
+def test_a_closed_port_is_unreachable_within_the_connect_timeout():
+    where = f"127.0.0.1:{_free_port()}"
+    with pytest.raises(hi.EndpointError, match=f"endpoint at {where} cannot be reached within 3 s"):
+        FlightLink(EndpointAddress(f"grpc+tcp://{where}", "t", connect_timeout=3))
+
+
+def _self_signed(tmp_path, host: str = "127.0.0.1") -> tuple[bytes, bytes]:
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "hybrid-iter-test")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return cert_pem, key_pem
+
+
+def test_tls_serves_subtasks_that_trust_the_certificate_and_refuses_others(tmp_path):
+    cert, key = _self_signed(tmp_path)
+    other, _ = _self_signed(tmp_path)
+    spec = EndpointSpec(bind="127.0.0.1:0", token="t", tls_cert=cert, tls_key=key)
+    with _served(spec, size=10) as (coord, location):
+        assert location.startswith("grpc+tls://")
+        outcome = _run_stage(lambda: FlightLink(EndpointAddress(location, "t", cert)))
+        assert outcome == {0: None, 1: None}
+        assert coord.result().epochs == EPOCHS
+        with pytest.raises(hi.EndpointError, match="TLS on both sides"):
+            FlightLink(EndpointAddress(location, "t", other, connect_timeout=5))
+        plain = location.replace("grpc+tls", "grpc+tcp")
+        with pytest.raises(hi.EndpointError, match="cannot be reached"):
+            FlightLink(EndpointAddress(plain, "t", connect_timeout=5))
+
+
+def test_a_tls_iteration_on_spark_and_ray_gives_the_ray_result(spark, regression, tmp_path):
+    df, X, y = regression
+    cert, key = _self_signed(tmp_path)
+    (tmp_path / "c.pem").write_bytes(cert)
+    (tmp_path / "k.pem").write_bytes(key)
+    tls = hi.EndpointConfig(
+        bind="127.0.0.1:0", tls_cert=str(tmp_path / "c.pem"), tls_key=str(tmp_path / "k.pem")
+    )
+
+    def run(transport, endpoint=None):
+        return _iterate(
+            {"w": np.zeros(4)},
+            df,
+            hi.IterationBody(LinRegPartition(FEATURES), GradientDescent(0.3, len(y))),
+            max_epochs=6,
+            parallelism=2,
+            transport=transport,
+            endpoint=endpoint,
+        )
+
+    assert run("endpoint", tls).variables["w"].tobytes() == run("ray").variables["w"].tobytes()
+
+
+# -- the variables codec -------------------------------------------------------------------
+
+DTYPES = ["<f8", ">f8", "<f4", "<i8", "<i4", "|i1", "|u1", "|b1", "<c16", "<u2"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    arrays=st.lists(
+        st.tuples(
+            st.sampled_from(DTYPES),
+            st.lists(st.integers(0, 5), min_size=0, max_size=3),
+            st.integers(0, 2**32 - 1),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    chunk=st.integers(1, 64),
+)
+def test_streamed_variables_come_back_equal_and_read_only(arrays, chunk):
+    import coordinator._endpoint as endpoint
+
+    values = {}
+    for i, (dtype, shape, seed) in enumerate(arrays):
+        raw = np.random.default_rng(seed).integers(
+            0, 256, int(np.prod(shape, dtype=int)) * np.dtype(dtype).itemsize, dtype=np.uint8
+        )
+        values[f"v{i}"] = raw.view(np.dtype(dtype)).reshape(shape)
+    layout = tuple((n, a.dtype.str, tuple(a.shape), a.nbytes) for n, a in values.items())
+    ref = endpoint.EndpointRef("server", 3, layout)
+    saved = endpoint._CHUNK
+    endpoint._CHUNK = chunk  # small chunks: variables split over several
+    try:
+        pieces = [endpoint._piece(b) for b in endpoint._chunks(ref, values)]
+    finally:
+        endpoint._CHUNK = saved
+    got = endpoint.assemble(ref, pieces)
+    assert list(got) == list(values)
+    for name, arr in values.items():
+        back = got[name]
+        assert back.dtype == arr.dtype and back.shape == arr.shape
+        assert back.tobytes() == arr.tobytes()
+        assert not back.flags.writeable
+    if pieces:
+        with pytest.raises(ValueError):
+            endpoint.assemble(ref, pieces[:-1])
+
+
+def test_a_variable_larger_than_a_chunk_is_streamed_whole():
+    spec = EndpointSpec(bind="127.0.0.1:0", token="s")
+    with _served(spec, size=700_000) as (coord, location):  # 5.6 MB: 3 chunks
+        link = FlightLink(EndpointAddress(location, "s"))
+        payload = link.variables(-1).result(60)
+        values = link.resolve(payload)
+        assert values["v"].shape == (700_000,) and not values["v"].flags.writeable
+        assert values["v"].tobytes() == coord.store.values["v"].tobytes()
+        link.close()
