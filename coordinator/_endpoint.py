@@ -322,7 +322,7 @@ def _replace_variables(reply: Reply, payload: VariablesPayload) -> Reply:
 
 
 def _get_own(ref: Any) -> dict[str, np.ndarray]:
-    from ._shell import _get_own as get
+    from ._shell import quiet_get as get
 
     return dict(get(ref))
 
