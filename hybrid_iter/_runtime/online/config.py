@@ -7,14 +7,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator import OutputRecord, RuntimeHooks
+from coordinator import OutputRecord
 
 from ..._config import (
     IterationConfig,
     OperatorLifecycle,
-    _check_call_timeout,
     _check_uri,
     _is_int,
+    _RunConfig,
 )
 from ..._errors import IterationConfigError
 
@@ -22,7 +22,7 @@ __all__ = ["OnlineConfig", "online_config"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class OnlineConfig:
+class OnlineConfig(_RunConfig):
     """How an online iteration runs (all keyword-only).
 
     * ``staleness``: ``0`` sync (one lock-step round per micro-batch against one variables
@@ -66,31 +66,26 @@ class OnlineConfig:
     the micro-batch and the method, with the original traceback.
     """
 
-    staleness: int | None = 0
     checkpoint_location: str | None = None
     on_corrupt_checkpoint: str = "fail"
     trigger: Mapping[str, Any] | None = None
     dead_letter_path: str | None = None
     output_path: str | None = None
     on_outputs: Callable[[int, list[OutputRecord]], None] | None = None
-    parallelism: int | None = None
     parquet_reader: str = "arrow"
-    progress: bool | None = None
-    progress_tag: str = "loss"
     log_every_seconds: float | None = 60.0
     keep_last: int = 2
-    inline_variables_bytes: int = 64 * 1024
-    name: str | None = None
-    hooks: RuntimeHooks | None = None
-    call_timeout: float = 600.0
 
-    def __post_init__(self) -> None:
-        if self.staleness not in (0, None):
+    def _check_staleness(self) -> None:
+        if self.staleness is not None and not (_is_int(self.staleness) and self.staleness == 0):
             raise IterationConfigError(
                 f"OnlineConfig.staleness must be 0 (sync: one round per micro-batch) or None "
                 f"(async), got {self.staleness!r}; bounded staleness has no meaning when "
                 f"micro-batches run one after another"
             )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         for field in ("checkpoint_location", "dead_letter_path", "output_path"):
             if getattr(self, field) is not None:
                 value = _check_uri(
@@ -119,8 +114,6 @@ class OnlineConfig:
             raise IterationConfigError(
                 "OnlineConfig.on_outputs must be callable(batch_id, records)"
             )
-        if self.parallelism is not None and (not _is_int(self.parallelism) or self.parallelism < 1):
-            raise IterationConfigError("OnlineConfig.parallelism must be None or an int >= 1")
         if self.log_every_seconds is not None and not (
             isinstance(self.log_every_seconds, int | float) and self.log_every_seconds > 0
         ):
@@ -132,12 +125,6 @@ class OnlineConfig:
                 "OnlineConfig.keep_last must be an int >= 2 (the previous snapshot is what a "
                 "corrupt newest one falls back to)"
             )
-        if self.hooks is not None and not isinstance(self.hooks, RuntimeHooks):
-            raise IterationConfigError(
-                f"OnlineConfig.hooks must be None or a RuntimeHooks (e.g. "
-                f"hybrid_iter.testing.FaultInjection), got {type(self.hooks).__name__}"
-            )
-        _check_call_timeout("OnlineConfig.call_timeout", self.call_timeout)
 
     @classmethod
     def from_iteration_config(cls, config: IterationConfig) -> OnlineConfig:
@@ -157,16 +144,7 @@ class OnlineConfig:
                 "operator_lifecycle does not apply online: partition operators live for one "
                 "micro-batch partition"
             )
-        return cls(
-            staleness=config.staleness,
-            parallelism=config.parallelism,
-            progress=config.progress,
-            progress_tag=config.progress_tag,
-            inline_variables_bytes=config.inline_variables_bytes,
-            name=config.name,
-            hooks=config.hooks,
-            call_timeout=config.call_timeout,
-        )
+        return cls(**config.shared_fields())
 
 
 def online_config(config: Any) -> OnlineConfig:
