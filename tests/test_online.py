@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -215,6 +216,33 @@ def test_rejected_configurations(spark, tmp_path, kwargs, words):
             kwargs.get("body", hi.IterationBody(Grad(), Step())),
             kwargs.get("config"),
         )
+
+
+class Unshippable(Grad):
+    """A partition operator holding a lock: it cannot be pickled to the tasks."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()
+
+
+def test_an_unshippable_partition_operator_fails_before_a_coordinator_starts(spark, tmp_path):
+    def online_actors():
+        return {
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("hybrid_iter.online.unshippable.")
+        }
+
+    stream = spark.readStream.schema(SCHEMA).csv(str(tmp_path))
+    with pytest.raises(hi.IterationConfigError, match="cannot be pickled"):
+        hi.iterate_unbounded_streams(
+            {"w": np.zeros(3)},
+            hi.ReplayableDataStreamList.not_replay(hi.DataStream(stream, FEATURES)),
+            hi.IterationBody(Unshippable(), Step()),
+            hi.OnlineConfig(name="unshippable"),
+        )
+    assert not online_actors()  # it used to launch the coordinator first and leave it
 
 
 def test_online_config_arguments():

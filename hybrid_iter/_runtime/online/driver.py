@@ -281,16 +281,13 @@ def iterate_unbounded_streams(
             what="OnlineConfig.checkpoint_location",
             error=IterationConfigError,
         )
-    parquet = _our_parquet_source(df, cfg)
+    parquet, arrow_schema = _our_parquet_source(df, cfg) or (None, None)
 
     from ..iterate import _fingerprint, _ray_address
 
     address = _ray_address(spark)
     connect(address, namespace=NAMESPACE)
-    import ray
-
     name = f"hybrid_iter.online.{cfg.name or 'iteration'}.{uuid.uuid4().hex[:12]}"
-    meter = online_meter(cfg.name or "iteration", name.rsplit(".", 1)[1], cfg.staleness)
     checkpoint = None
     dead_letter_path = cfg.dead_letter_path
     location = None
@@ -322,22 +319,7 @@ def iterate_unbounded_streams(
         progress_tag=cfg.progress_tag,
         checkpoint=checkpoint,
     )
-    actor = launch(actor_class(OnlineCoordinator), name, spec)
-    state: OnlineStatus = ray.get(actor.online_state.remote())
-    if state.failures:
-        kill(actor, "the online coordinator")
-        failure = state.failures[0]
-        raise IterationConfigError(
-            f"the online coordinator could not start: {failure}"
-        ) from failure
-    lost: tuple[int, ...] = ()
-    if location is not None:
-        try:
-            lost = reconcile(location, state, cfg.on_corrupt_checkpoint, cfg.name or "online")
-        except Exception:
-            kill(actor, "the online coordinator")
-            raise
-    plan = OnlinePlan(
+    plan = OnlinePlan(  # pickles the partition operator: before the coordinator starts
         ray_address=address,
         namespace=NAMESPACE,
         actor_name=name,
@@ -345,26 +327,48 @@ def iterate_unbounded_streams(
         staleness=cfg.staleness,
         numeric_columns=tuple(stream.numeric_columns or ()),
         dead_letter_path=dead_letter_path,
-        arrow_schema=parquet[1] if parquet is not None else None,
+        arrow_schema=arrow_schema,
         batch_rows=int(spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch", "10000")),
         call_timeout=float(cfg.call_timeout),
     )
-    driver = MicroBatchDriver(
-        spark=spark,
-        actor=actor,
-        name=name,
-        cfg=cfg,
-        plan=plan,
-        parquet=parquet[0] if parquet is not None else None,
-        state=state,
-        meter=meter,
-    )
-    try:
+    meter = online_meter(cfg.name or "iteration", name.rsplit(".", 1)[1], cfg.staleness)
+    actor = launch(actor_class(OnlineCoordinator), name, spec)
+    try:  # from here on, an error stops the coordinator it started
+        state, lost = _restored(actor, location, cfg)
+        driver = MicroBatchDriver(
+            spark=spark,
+            actor=actor,
+            name=name,
+            cfg=cfg,
+            plan=plan,
+            parquet=parquet,
+            state=state,
+            meter=meter,
+        )
         query = _start_query(driver, df)
-    except Exception:
+    except BaseException:
         kill(actor, "the online coordinator")
         raise
     return OnlineIteration(query, driver, lost, meter=meter)
+
+
+def _restored(
+    actor: Any, location: str | None, cfg: OnlineConfig
+) -> tuple[OnlineStatus, tuple[int, ...]]:
+    """The state the coordinator started from (restored from ``location`` if there is
+    one), and the batch ids lost against Spark's commit log (``on_corrupt_checkpoint``
+    decides whether losing some fails the start)."""
+    import ray
+
+    state: OnlineStatus = ray.get(actor.online_state.remote())
+    if state.failures:
+        failure = state.failures[0]
+        raise IterationConfigError(
+            f"the online coordinator could not start: {failure}"
+        ) from failure
+    if location is None:
+        return state, ()
+    return state, reconcile(location, state, cfg.on_corrupt_checkpoint, cfg.name or "online")
 
 
 def _our_parquet_source(df: Any, cfg: OnlineConfig) -> tuple[ParquetSource, Any] | None:
