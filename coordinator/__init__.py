@@ -42,7 +42,14 @@ from ._errors import (
 )
 from ._hooks import RuntimeHooks
 from ._link import CoordinatorLink, InProcessLink, Pending, RayLink
-from ._online import OnlineCommit, OnlineCoordinator, OnlineRestore, OnlineStatus
+from ._online import OnlineCoordinator
+from ._online_protocol import (
+    BadFile,
+    OnlineCommit,
+    OnlineRestore,
+    OnlineStatus,
+    PartitionTally,
+)
 from ._operator_api import (
     CoordinatorCollector,
     CoordinatorContext,
@@ -56,6 +63,7 @@ from ._state import EpochCounts, EpochStateMachine, Release, TerminationReason
 from ._variables import VariablesPayload, VariableSpec, VariablesStore, normalize_variables
 
 __all__ = [
+    "BadFile",
     "CheckpointCorrupt",
     "CheckpointEncodeError",
     "CheckpointError",
@@ -92,6 +100,7 @@ __all__ = [
     "OutputRecord",
     "PartitionCollector",
     "PartitionContext",
+    "PartitionTally",
     "Pending",
     "Progress",
     "RayLink",

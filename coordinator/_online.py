@@ -36,7 +36,6 @@ import os
 import time
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._checkpoint import (
@@ -49,66 +48,17 @@ from ._checkpoint import (
 from ._core import COORDINATOR, Apply, FeedbackShapes, Watermark
 from ._errors import CheckpointCorrupt, ForeignCheckpoint, RemoteFailure, UserCodeFailed
 from ._host import OperatorHost
-from ._protocol import Emissions, OutputRecord, Progress, ResultData
+from ._online_protocol import OnlineCommit, OnlineRestore, OnlineStatus
+from ._protocol import Emissions, OutputRecord, ResultData
 from ._shell import LOADING, ProgressWaiters, object_store, startup_failure
 from ._snapshots import Snapshots
 from ._spec import CoordinatorSpec
 from ._variables import VariablesPayload, VariablesStore
 
-__all__ = ["OnlineCommit", "OnlineCoordinator", "OnlineLedger", "OnlineRestore", "OnlineStatus"]
+__all__ = ["OnlineCoordinator", "OnlineLedger"]
 
 #: commits kept for the batches/s and rows/s window
 _RATE_WINDOW = 64
-
-
-@dataclass(frozen=True)
-class OnlineCommit:
-    """What ``commit_batch`` answers: whether the batch was applied (a replay is not), the
-    failure that stopped it, the batch's output records, and the next round."""
-
-    applied: bool
-    failure: RemoteFailure | None = None
-    outputs: list[OutputRecord] = field(default_factory=list)
-    round: int | None = None
-
-
-@dataclass
-class OnlineRestore:
-    """What a restore found: the snapshot it took (None: none), the damaged files it
-    skipped, the journal records it replayed, those it could not use ``(batch, why)``,
-    the newest batch id on disk, and how long it took. The driver holds it against
-    Spark's own commit log."""
-
-    snapshot: str | None = None
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-    replayed: list[int] = field(default_factory=list)
-    unusable: list[tuple[int, str]] = field(default_factory=list)
-    newest_on_disk: int = -1
-    seconds: float | None = None
-
-
-@dataclass(frozen=True)
-class OnlineStatus:
-    """Where an online iteration is (``online_state()``)."""
-
-    committed: int
-    round: int
-    batches: int
-    rows: int
-    dead_letters: int
-    dead_files: int
-    version: int
-    last_loss: Any
-    last_commit: float | None
-    last_checkpoint: float | None
-    batches_per_s: float | None
-    rows_per_s: float | None
-    failures: list[RemoteFailure]
-    restore: OnlineRestore
-    held_outputs: int
-    #: (time, rows) of the last commits
-    recent_commits: list[tuple[float, int]]
-    pid: int
 
 
 class OnlineLedger:
@@ -259,7 +209,7 @@ class OnlineCoordinator:
         self.failures: list[RemoteFailure] = []
         self.feedback_counts: Counter[int] = Counter()  # partitions vary between batches
         self._shapes = FeedbackShapes()
-        self._progress = ProgressWaiters()
+        self._failure_waiters = ProgressWaiters()
         self._alignment_times: list[float] = []
         #: the output records of the last committed batch (delivered again on a replay)
         self._last_outputs: tuple[int, list[OutputRecord]] = (-1, [])
@@ -330,7 +280,6 @@ class OnlineCoordinator:
                 round_ = self.ledger.round
                 self._fail(RemoteFailure.capture(ex, source=COORDINATOR, epoch=round_, where=where))
                 return OnlineCommit(False, self.failures[0])
-        self._progress.notify(self._progress_ready)
         return OnlineCommit(True, None, list(new), self.ledger.round)
 
     def online_state(self) -> OnlineStatus:
@@ -363,35 +312,14 @@ class OnlineCoordinator:
         """The output records of the last committed batch (for a replayed batch)."""
         return self._last_outputs
 
-    async def wait_progress(
-        self,
-        after_aligned: int,
-        timeout: float,
-        each_alignment: bool = True,
-        after_checkpoint: int = -1,
-    ) -> Progress:
-        """Return after a failure, once the round passes ``after_aligned`` (with
-        ``each_alignment``), or at ``timeout`` (the driver's failure watch)."""
-        await self._progress.wait((each_alignment, after_aligned), self._progress_ready, timeout)
-        return self.progress()
+    async def wait_failure(self, timeout: float) -> bool:
+        """Whether a failure is recorded, answered at once when one is, else when one
+        comes or at ``timeout`` (the driver's failure watch long-polls this)."""
+        await self._failure_waiters.wait((), self._failed, timeout)
+        return bool(self.failures)
 
-    def _progress_ready(self, each_alignment: bool, aligned: int) -> bool:
-        return bool(self.failures) or (each_alignment and self.ledger.round - 1 > aligned)
-
-    def progress(self) -> Progress:
-        t = self._alignment_times
-        return Progress(
-            aligned=self.ledger.round - 1,
-            epochs=self.ledger.round,
-            last_epoch_seconds=(t[-1] - t[-2]) if len(t) >= 2 else None,
-            loss=self.host.last_loss,
-            terminated_by=None,
-            done=bool(self.failures),
-            failed=bool(self.failures),
-            rows=self.ledger.rows,
-            checkpointed=self.snapshots.newest if self.snapshots is not None else -1,
-            version=self.store.version,
-        )
+    def _failed(self) -> bool:
+        return bool(self.failures)
 
     def result(self) -> ResultData:
         return ResultData(
@@ -426,13 +354,13 @@ class OnlineCoordinator:
 
     def _fail(self, failure: RemoteFailure) -> None:
         self.failures.append(failure)
-        self._progress.notify(self._progress_ready)
+        self._failure_waiters.notify(self._failed)
 
     def _close_round(self, batch_id: int, rows: int, dead_letters: int, dead_files: int) -> None:
         """The coordinator's watermark callback of the batch's round and the counters."""
         self._user(Watermark(self.ledger.round))
         self.ledger.close(batch_id, rows, dead_letters, dead_files, time.time())
-        # progress() needs the last two; the list must not grow with the stream's age
+        # the last two are kept (the list must not grow with the stream's age)
         self._alignment_times = [*self._alignment_times[-1:], time.time()]
 
     # -- persistence --------------------------------------------------------------------------

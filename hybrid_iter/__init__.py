@@ -48,6 +48,7 @@ from ._errors import (
     IterationFailedError,
     ModelExistsError,
     ModelNotFoundError,
+    OnlineCheckpointError,
     RemoteFailure,
     SessionError,
     SparkOpsError,
@@ -63,7 +64,6 @@ from ._result import IterationResult
 from ._runtime.iterate import iterate_bounded_streams_until_termination
 from ._runtime.online import (
     EPOCH_MAX,
-    OnlineCheckpointError,
     OnlineConfig,
     OnlineIteration,
     OnlineProgress,

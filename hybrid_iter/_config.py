@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import storage_uri
 from coordinator import RuntimeHooks
@@ -151,7 +152,63 @@ class EndpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class IterationConfig:
+class _RunConfig:
+    """The fields ``IterationConfig`` and ``OnlineConfig`` share, checked here once for
+    both (the messages name the class the user wrote): ``staleness``, ``parallelism``,
+    ``progress``, ``progress_tag``, ``inline_variables_bytes``, ``name``, ``hooks``,
+    ``call_timeout``. Each class documents what they mean for it."""
+
+    staleness: int | None = 0
+    parallelism: int | None = None
+    progress: bool | None = None
+    progress_tag: str = "loss"
+    inline_variables_bytes: int = 64 * 1024
+    name: str | None = None
+    hooks: RuntimeHooks | None = None
+    call_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        cls = type(self).__name__
+        self._check_staleness()
+        if self.parallelism is not None and (not _is_int(self.parallelism) or self.parallelism < 1):
+            raise IterationConfigError(
+                f"{cls}.parallelism must be None (as many tasks as Spark gives) or an "
+                f"int >= 1, got {self.parallelism!r}"
+            )
+        if self.progress is not None and not isinstance(self.progress, bool):
+            raise IterationConfigError(
+                f"{cls}.progress must be True, False or None, got {self.progress!r}"
+            )
+        if not isinstance(self.progress_tag, str) or not self.progress_tag:
+            raise IterationConfigError(f"{cls}.progress_tag must be a non-empty string")
+        if not _is_int(self.inline_variables_bytes) or self.inline_variables_bytes < 0:
+            raise IterationConfigError(f"{cls}.inline_variables_bytes must be an int >= 0")
+        if self.name is not None and not isinstance(self.name, str):
+            raise IterationConfigError(
+                f"{cls}.name must be None or a string, got {type(self.name).__name__}"
+            )
+        if self.hooks is not None and not isinstance(self.hooks, RuntimeHooks):
+            raise IterationConfigError(
+                f"{cls}.hooks must be None or a RuntimeHooks (e.g. "
+                f"hybrid_iter.testing.FaultInjection), got {type(self.hooks).__name__}"
+            )
+        _check_call_timeout(f"{cls}.call_timeout", self.call_timeout)
+
+    def _check_staleness(self) -> None:
+        if self.staleness is not None and (not _is_int(self.staleness) or self.staleness < 0):
+            raise IterationConfigError(
+                f"{type(self).__name__}.staleness must be 0 (sync), None (async) or a "
+                f"positive int (bounded staleness), got {self.staleness!r}"
+            )
+
+    def shared_fields(self) -> dict[str, Any]:
+        """The values of the shared fields (what an ``OnlineConfig`` takes over from an
+        ``IterationConfig``)."""
+        return {f.name: getattr(self, f.name) for f in fields(_RunConfig)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class IterationConfig(_RunConfig):
     """How an iteration runs.
 
     * ``staleness``: ``0`` is sync (global lock step), ``None`` is async (no subtask ever
@@ -189,36 +246,19 @@ class IterationConfig:
     * ``endpoint``: the ``EndpointConfig`` of ``transport="endpoint"`` (None: defaults).
     """
 
-    staleness: int | None = 0
     max_epochs: int | None = None
-    parallelism: int | None = None
     operator_lifecycle: OperatorLifecycle = OperatorLifecycle.ALL_ROUND
-    progress: bool | None = None
-    progress_tag: str = "loss"
-    inline_variables_bytes: int = 64 * 1024
-    name: str | None = None
     checkpoint: CheckpointConfig | None = None
     resume_from: str | None = None
     max_restarts: int | None = None
-    hooks: RuntimeHooks | None = None
-    call_timeout: float = 600.0
     transport: str = "auto"
     endpoint: EndpointConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.staleness is not None and (not _is_int(self.staleness) or self.staleness < 0):
-            raise IterationConfigError(
-                f"IterationConfig.staleness must be 0 (sync), None (async) or a positive "
-                f"int (bounded staleness), got {self.staleness!r}"
-            )
+        super().__post_init__()
         if self.max_epochs is not None and (not _is_int(self.max_epochs) or self.max_epochs < 1):
             raise IterationConfigError(
                 f"IterationConfig.max_epochs must be None or an int >= 1, got {self.max_epochs!r}"
-            )
-        if self.parallelism is not None and (not _is_int(self.parallelism) or self.parallelism < 1):
-            raise IterationConfigError(
-                f"IterationConfig.parallelism must be None (use every task slot) or an "
-                f"int >= 1, got {self.parallelism!r}"
             )
         try:
             lifecycle = OperatorLifecycle(self.operator_lifecycle)
@@ -228,14 +268,6 @@ class IterationConfig:
                 f"PER_ROUND, got {self.operator_lifecycle!r}"
             ) from None
         object.__setattr__(self, "operator_lifecycle", lifecycle)
-        if self.progress is not None and not isinstance(self.progress, bool):
-            raise IterationConfigError(
-                f"IterationConfig.progress must be True, False or None, got {self.progress!r}"
-            )
-        if not isinstance(self.progress_tag, str) or not self.progress_tag:
-            raise IterationConfigError("IterationConfig.progress_tag must be a non-empty string")
-        if not _is_int(self.inline_variables_bytes) or self.inline_variables_bytes < 0:
-            raise IterationConfigError("IterationConfig.inline_variables_bytes must be an int >= 0")
         if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointConfig):
             raise IterationConfigError(
                 f"IterationConfig.checkpoint must be a CheckpointConfig(path, ...), got "
@@ -250,12 +282,6 @@ class IterationConfig:
             raise IterationConfigError(
                 f"IterationConfig.max_restarts must be None or an int >= 0, got {self.max_restarts!r}"
             )
-        if self.hooks is not None and not isinstance(self.hooks, RuntimeHooks):
-            raise IterationConfigError(
-                f"IterationConfig.hooks must be None or a RuntimeHooks (e.g. "
-                f"hybrid_iter.testing.FaultInjection), got {type(self.hooks).__name__}"
-            )
-        _check_call_timeout("IterationConfig.call_timeout", self.call_timeout)
         if self.transport not in TRANSPORTS:
             raise IterationConfigError(
                 f"IterationConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}"

@@ -141,6 +141,7 @@ __all__ = [
     "IterationFailedError",
     "ModelExistsError",
     "ModelNotFoundError",
+    "OnlineCheckpointError",
     "RemoteFailure",
     "SessionError",
     "ShardLost",
@@ -239,6 +240,19 @@ class WorkerDiedError(IterationFailedError):
                 self.spark_message,
             ),
         )
+
+
+class OnlineCheckpointError(CheckpointError, RuntimeError):
+    """The online checkpoint cannot restore every micro-batch Spark has committed; the
+    message names the batch ids at risk and the choices."""
+
+    def __init__(self, message: str, at_risk: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.message = message
+        self.at_risk = tuple(at_risk)
+
+    def __reduce__(self):
+        return (OnlineCheckpointError, (self.message, self.at_risk))
 
 
 class ModelExistsError(HybridIterError, FileExistsError):

@@ -151,11 +151,8 @@ def test_every_test_that_needs_raydp_runs_in_the_ci_raydp_environment():
 
 
 #: exception classes that may be defined outside an ``_errors.py``, with why
-EXCEPTIONS_ELSEWHERE = {
-    # moved into hybrid_iter/_errors.py by the change that reworks online.py; drop this
-    # entry once that change is in
-    "hybrid_iter/_runtime/online.py": {"OnlineCheckpointError"},
-}
+#: exception classes allowed outside an ``_errors.py`` (module -> names), each with why
+EXCEPTIONS_ELSEWHERE: dict[str, set[str]] = {}
 PACKAGES = ("hybrid_iter", "coordinator", "spark_ops", "storage_uri")
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from online_ops import (
 )
 
 import hybrid_iter as hi
+from hybrid_iter.testing import FaultInjection
 
 TESTS = Path(__file__).resolve().parent
 FEATURES = ["x0", "x1", "x2", "y"]
@@ -216,11 +218,77 @@ def test_rejected_configurations(spark, tmp_path, kwargs, words):
         )
 
 
+class Unshippable(Grad):
+    """A partition operator holding a lock: it cannot be pickled to the tasks."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()
+
+
+def test_an_unshippable_partition_operator_fails_before_a_coordinator_starts(spark, tmp_path):
+    def online_actors():
+        return {
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("hybrid_iter.online.unshippable.")
+        }
+
+    stream = spark.readStream.schema(SCHEMA).csv(str(tmp_path))
+    with pytest.raises(hi.IterationConfigError, match="cannot be pickled"):
+        hi.iterate_unbounded_streams(
+            {"w": np.zeros(3)},
+            hi.ReplayableDataStreamList.not_replay(hi.DataStream(stream, FEATURES)),
+            hi.IterationBody(Unshippable(), Step()),
+            hi.OnlineConfig(name="unshippable"),
+        )
+    assert not online_actors()  # it used to launch the coordinator first and leave it
+
+
 def test_online_config_arguments():
     with pytest.raises(hi.IterationConfigError, match="trigger"):
         hi.OnlineConfig(trigger="fast")  # type: ignore[arg-type]
     with pytest.raises(hi.IterationConfigError, match="on_outputs"):
         hi.OnlineConfig(on_outputs=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "field, bad",
+    [
+        ("staleness", False),
+        ("staleness", 0.0),
+        ("parallelism", 0),
+        ("progress", "yes"),
+        ("progress_tag", ""),
+        ("inline_variables_bytes", -1),
+        ("name", 3),
+        ("hooks", object()),
+        ("call_timeout", 0),
+    ],
+)
+@pytest.mark.parametrize("config", [hi.OnlineConfig, hi.IterationConfig])
+def test_the_fields_both_configs_share_are_checked_alike(config, field, bad):
+    # one check for both: an online config once took progress="yes", an empty
+    # progress_tag, negative inline bytes and staleness=False without a word
+    with pytest.raises(hi.IterationConfigError, match=rf"{config.__name__}\.{field}"):
+        config(**{field: bad})
+
+
+def test_an_iteration_config_carries_every_shared_field_over():
+    hooks = FaultInjection()
+    source = hi.IterationConfig(
+        staleness=None,
+        parallelism=3,
+        progress=False,
+        progress_tag="metric",
+        inline_variables_bytes=7,
+        name="n",
+        hooks=hooks,
+        call_timeout=9.0,
+    )
+    online = hi.OnlineConfig.from_iteration_config(source)
+    assert online.shared_fields() == source.shared_fields()
+    assert source.shared_fields()["hooks"] is hooks and source.shared_fields()["name"] == "n"
 
 
 # -- bad files, corrupt checkpoints, bounded state, stop, SIGKILL ---------------------------

@@ -270,3 +270,24 @@ def test_nested_iteration_inside_an_operator_is_a_clear_error(zero_to_999):
             hi.IterationConfig(operator_lifecycle=PER_ROUND, max_epochs=2),
             hi.IterationBody(Nested(), RoundCoordinator()),
         )
+
+
+class NestedOnline(hi.PartitionOperator):
+    """Tries to start an online iteration from inside a Spark task."""
+
+    def on_epoch_watermark_incremented(self, epoch, ctx, out):
+        hi.iterate_unbounded_streams({"x": 0}, None, hi.IterationBody(hi.PartitionOperator()))
+
+
+def test_a_nested_online_iteration_is_refused_like_a_bounded_one(zero_to_999):
+    # the two entry points share their argument checks: the online one names the nesting
+    # too, not the first argument it happens to dislike
+    with pytest.raises(
+        hi.IterationConfigError, match=r"nested iterations are not supported.*Spark task"
+    ):
+        hi.iterate_bounded_streams_until_termination(
+            {"version": 0},
+            hi.ReplayableDataStreamList.replay(zero_to_999),
+            hi.IterationConfig(operator_lifecycle=PER_ROUND, max_epochs=2),
+            hi.IterationBody(NestedOnline(), RoundCoordinator()),
+        )

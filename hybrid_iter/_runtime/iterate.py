@@ -37,10 +37,8 @@ from coordinator import (
     checkpoint_key,
     damaged_since,
     fingerprint_mismatch,
-    normalize_variables,
     previous_checkpoint_key,
 )
-from coordinator._finite import check_finite_variables
 from spark_ops import (
     BarrierStage,
     ReplayPlan,
@@ -67,8 +65,9 @@ from .._errors import (
 )
 from .._result import IterationResult
 from .._session import Session
-from .._streams import ReplayableDataStreamList, _is_dataframe
+from .._streams import ReplayableDataStreamList
 from .endpoint import EndpointPlan
+from .entry import check_entry
 from .feedback_combine import tree_spec
 from .metrics import RunMeter, bounded_description, bounded_meter
 from .placement import (
@@ -112,31 +111,7 @@ def _validate(
         raise IterationConfigError(
             f"config must be a hybrid_iter.IterationConfig, got {type(config).__name__}"
         )
-    if not isinstance(body, IterationBody):
-        raise IterationConfigError(
-            f"body must be a hybrid_iter.IterationBody(partition=..., coordinator=...), "
-            f"got {type(body).__name__}"
-        )
-    if _is_dataframe(data_streams):
-        raise IterationConfigError(
-            "data_streams must be a ReplayableDataStreamList; wrap the DataFrame: "
-            "hi.ReplayableDataStreamList.not_replay(df)"
-        )
-    if not isinstance(data_streams, ReplayableDataStreamList):
-        raise IterationConfigError(
-            f"data_streams must be a hybrid_iter.ReplayableDataStreamList, got "
-            f"{type(data_streams).__name__}"
-        )
-    if len(data_streams) == 0:
-        raise IterationConfigError(
-            "data_streams is empty; pass at least one DataFrame: "
-            "ReplayableDataStreamList.not_replay(df)"
-        )
-    try:
-        variables = normalize_variables(init_variables, what="init_variables")
-    except TypeError as ex:
-        raise IterationConfigError(str(ex)) from ex
-    check_finite_variables(variables)
+    variables, data_streams = check_entry(init_variables, data_streams, body)
     exact: list[int | None] = []
     for i, stream in enumerate(data_streams.streams):
         stream.validate(i)
@@ -166,28 +141,6 @@ def _validate(
     if len(sessions) != 1:
         raise IterationConfigError("all data streams must come from the same SparkSession")
     return variables, data_streams, exact
-
-
-def _refuse_nested() -> None:
-    """A nested iteration started from inside an operator cannot run: say why."""
-    from pyspark import TaskContext
-
-    where = None
-    if TaskContext.get() is not None:
-        where = "a Spark task (a partition operator)"
-    else:
-        import ray
-
-        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
-            where = "a Ray actor (the coordinator operator)"
-    if where is not None:
-        raise IterationConfigError(
-            f"nested iterations are not supported: an iteration was started inside {where}. "
-            f"Operators run in Spark tasks and in the coordinator actor, which cannot launch "
-            f"Spark jobs, and a running iteration's barrier stage holds every task slot. Run "
-            f"the outer loop on the driver: one iteration per outer round over persisted "
-            f"data (docs/semantics.md, 'Nested iterations')"
-        )
 
 
 def _raise_failures(failures: list[RemoteFailure], spark_error: BaseException | None) -> None:
@@ -298,7 +251,6 @@ def iterate_bounded_streams_until_termination(
     """
     started = time.perf_counter()
     started_wall = time.time()
-    _refuse_nested()
     variables, streams, partitions = _validate(init_variables, data_streams, config, body)
     spark = streams.dataframes[0].sparkSession
     slots = available_task_slots(spark)

@@ -164,7 +164,7 @@ class _TaskSteps:
     """Where one Spark task of an iteration is, for its watchdog and its failure report.
 
     Shared by the bounded subtask (``_Subtask``) and the online micro-batch partition
-    (``online._run_partition``): every user callback goes through ``call`` and every
+    (``online.partition.run_partition``): every user callback goes through ``call`` and every
     step of our own through ``step``/``ask``, so ``label()`` names what the task is doing
     (``"Op.process_data"``, ``"reading the data"``) and ``since`` says since when. The
     watchdog thread (``_watch``) reads them; ``_guard`` reports a failure with them.

@@ -1,0 +1,125 @@
+"""The argument checks both entry points make before any job starts: not inside an
+operator (no nested iterations), a real ``IterationBody``, a non-empty
+``ReplayableDataStreamList`` (not a bare DataFrame), and initial variables that are
+numeric and finite. ``check_entry`` is the shared part; the bounded entry
+(``iterate._validate``) adds its own checks after it, ``check_online_entry`` adds the
+online ones."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from coordinator import normalize_variables
+from coordinator._finite import check_finite_variables
+
+from .._body import IterationBody
+from .._errors import IterationConfigError
+from .._streams import DataStream, ReplayableDataStreamList, _is_dataframe
+
+__all__ = ["check_entry", "check_online_entry", "refuse_nested"]
+
+
+def refuse_nested() -> None:
+    """A nested iteration started from inside an operator cannot run: say why."""
+    from pyspark import TaskContext
+
+    where = None
+    if TaskContext.get() is not None:
+        where = "a Spark task (a partition operator)"
+    else:
+        import ray
+
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            where = "a Ray actor (the coordinator operator)"
+    if where is not None:
+        raise IterationConfigError(
+            f"nested iterations are not supported: an iteration was started inside {where}. "
+            f"Operators run in Spark tasks and in the coordinator actor, which cannot launch "
+            f"Spark jobs, and a running iteration's barrier stage holds every task slot. Run "
+            f"the outer loop on the driver: one iteration per outer round over persisted "
+            f"data (docs/semantics.md, 'Nested iterations')"
+        )
+
+
+def check_entry(
+    init_variables: Any, data_streams: Any, body: Any, *, streaming: bool = False
+) -> tuple[dict[str, Any], ReplayableDataStreamList]:
+    """The checks every entry point makes, in this order; the normalized variables and
+    the streams. ``streaming``: the online entry (its messages name streaming
+    DataFrames)."""
+    refuse_nested()
+    if not isinstance(body, IterationBody):
+        raise IterationConfigError(
+            f"body must be a hybrid_iter.IterationBody(partition=..., coordinator=...), "
+            f"got {type(body).__name__}"
+        )
+    df = "stream_df" if streaming else "df"
+    if _is_dataframe(data_streams):
+        raise IterationConfigError(
+            f"data_streams must be a ReplayableDataStreamList; wrap the "
+            f"{'streaming ' if streaming else ''}DataFrame: "
+            f"hi.ReplayableDataStreamList.not_replay({df})"
+        )
+    if not isinstance(data_streams, ReplayableDataStreamList):
+        raise IterationConfigError(
+            f"data_streams must be a hybrid_iter.ReplayableDataStreamList, got "
+            f"{type(data_streams).__name__}"
+        )
+    if len(data_streams) == 0:
+        raise IterationConfigError(
+            f"data_streams is empty; pass at least one "
+            f"{'streaming ' if streaming else ''}DataFrame: "
+            f"ReplayableDataStreamList.not_replay({df})"
+        )
+    return check_init_variables(init_variables), data_streams
+
+
+def check_init_variables(init_variables: Any) -> dict[str, Any]:
+    """``init_variables`` as the coordinator keeps them: numeric, by name, finite."""
+    try:
+        variables = normalize_variables(init_variables, what="init_variables")
+    except TypeError as ex:
+        raise IterationConfigError(str(ex)) from ex
+    check_finite_variables(variables)
+    return variables
+
+
+def check_online_entry(
+    init_variables: Mapping[str, Any], data_streams: Any, body: Any
+) -> tuple[dict[str, Any], DataStream]:
+    """``iterate_unbounded_streams``'s arguments: the shared checks, then what an
+    unbounded iteration refuses; the normalized variables and the one stream."""
+    variables, streams = check_entry(init_variables, data_streams, body, streaming=True)
+    if body.has_criteria:
+        raise IterationConfigError(
+            "an unbounded iteration has no termination criteria (it runs until stopped); "
+            "remove IterationBody(criteria=...)"
+        )
+    if body.per_round_partition is not None:
+        raise IterationConfigError(
+            "for_each_round does not apply online: every partition operator already lives for "
+            "one micro-batch"
+        )
+    if getattr(body, "feedback_combine", None) is not None:
+        raise IterationConfigError(
+            "IterationBody(feedback_combine=...) is for bounded sync iterations; an online "
+            "iteration applies each batch's feedback as it arrives: remove feedback_combine"
+        )
+    if streams.any_replayed:
+        raise IterationConfigError(
+            "an unbounded stream cannot be replayed (every record is seen once); use not_replay"
+        )
+    if len(streams) != 1:
+        raise IterationConfigError(
+            f"an online iteration takes one streaming DataFrame, got {len(streams)}; "
+            f"union them first (same schema) or add a stream column"
+        )
+    stream = streams.streams[0]
+    if not stream.df.isStreaming:
+        raise IterationConfigError(
+            "iterate_unbounded_streams needs a streaming DataFrame (spark.readStream...); for "
+            "bounded data use iterate_bounded_streams_until_termination"
+        )
+    stream.validate(0, streaming=True)
+    return variables, stream
