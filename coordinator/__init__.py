@@ -11,20 +11,19 @@ from ._actor import IterationCoordinator
 from ._checkpoint import (
     CheckpointCorrupt,
     CheckpointStore,
-    ForeignCheckpoint,
     LoadedCheckpoint,
     checkpoint_key,
-    damaged_since,
-    fingerprint_mismatch,
     previous_checkpoint_key,
 )
 from ._core import CoordinatorCore, CoreError
 from ._cut import CutError
 from ._errors import (
+    CallTimeout,
     CheckpointEncodeError,
     CheckpointError,
     ConfigTypeError,
     FeedbackShapeMismatch,
+    ForeignCheckpoint,
     HybridIterError,
     IterationConfigError,
     MissingCheckpoint,
@@ -36,6 +35,13 @@ from ._errors import (
     VariablesMismatchError,
 )
 from ._hooks import RuntimeHooks
+from ._identity import (
+    RestoredCheckpoint,
+    damaged_since,
+    fingerprint_mismatch,
+    iteration_fingerprint,
+    node_local_refusal,
+)
 from ._link import CoordinatorLink, InProcessLink, Pending, RayLink
 from ._online import OnlineCommit, OnlineCoordinator, OnlineRestore, OnlineStatus
 from ._operator_api import (
@@ -51,6 +57,7 @@ from ._state import EpochCounts, EpochStateMachine, Release, StateMachineError, 
 from ._variables import VariablesPayload, VariableSpec, VariablesStore, normalize_variables
 
 __all__ = [
+    "CallTimeout",
     "CheckpointCorrupt",
     "CheckpointEncodeError",
     "CheckpointError",
@@ -90,6 +97,7 @@ __all__ = [
     "Release",
     "RemoteFailure",
     "Reply",
+    "RestoredCheckpoint",
     "ResultData",
     "RuntimeHooks",
     "StateMachineError",
@@ -104,6 +112,8 @@ __all__ = [
     "checkpoint_key",
     "damaged_since",
     "fingerprint_mismatch",
+    "iteration_fingerprint",
+    "node_local_refusal",
     "normalize_variables",
     "previous_checkpoint_key",
 ]

@@ -10,10 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "CallTimeout",
     "CheckpointEncodeError",
     "CheckpointError",
     "ConfigTypeError",
     "FeedbackShapeMismatch",
+    "ForeignCheckpoint",
     "HybridIterError",
     "IterationConfigError",
     "MissingCheckpoint",
@@ -64,6 +66,10 @@ class UnpicklableOperator(CheckpointEncodeError):
     carried from one round job to the next)."""
 
 
+class ForeignCheckpoint(CheckpointError, ValueError):
+    """A checkpoint of another run (another run id or another fingerprint)."""
+
+
 class MissingCheckpoint(CheckpointError, RuntimeError):
     """A restore did not find the checkpoint it must find (a node-local path?)."""
 
@@ -79,6 +85,12 @@ class NonFiniteVariables(VariablesMismatchError):
 class FeedbackShapeMismatch(VariablesMismatchError):
     """Partitions fed back arrays of different shapes (a sum would broadcast them); a
     relaunch would meet them again, so it is not retried."""
+
+
+class CallTimeout(HybridIterError, RuntimeError):
+    """A callback (or the coordinator) made no progress for ``call_timeout`` seconds; a
+    relaunch would block in it again, so it is not retried. It reaches the driver as the
+    ``cause`` of a ``RemoteFailure``."""
 
 
 class RemoteFailure(HybridIterError):

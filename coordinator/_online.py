@@ -41,7 +41,6 @@ from typing import Any, Literal
 
 from ._checkpoint import (
     CheckpointCorrupt,
-    ForeignCheckpoint,
     LoadedCheckpoint,
     delete_name,
     list_names,
@@ -51,6 +50,7 @@ from ._checkpoint import (
 from ._core import COORDINATOR, Apply, FeedbackShapes, Watermark
 from ._errors import RemoteFailure
 from ._host import OperatorHost, UserCodeFailed
+from ._identity import refuse_not_online
 from ._protocol import Emissions, OutputRecord, Progress, ResultData
 from ._shell import LOADING, ProgressWaiters, object_store, startup_failure
 from ._snapshots import Snapshots
@@ -536,8 +536,7 @@ class OnlineCoordinator:
     def _restore_snapshot(self, loaded: LoadedCheckpoint) -> None:
         assert self.snapshots is not None
         data = loaded.data
-        if not data.get("online"):
-            raise ForeignCheckpoint(f"checkpoint {loaded.path} is of another iteration: not online")
+        refuse_not_online(data, loaded.path)
         self.snapshots.restore_common(loaded, self.host, self.store)
         self.ledger.restore(data)
         self._last_outputs = data.get("last_outputs", (self.ledger.committed, []))

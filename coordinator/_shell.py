@@ -9,9 +9,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from ._checkpoint import ForeignCheckpoint
 from ._core import COORDINATOR
-from ._errors import MissingCheckpoint, RemoteFailure, UnpicklableOperator
+from ._errors import ForeignCheckpoint, MissingCheckpoint, RemoteFailure, UnpicklableOperator
 from ._host import UserCodeFailed
 
 __all__ = [

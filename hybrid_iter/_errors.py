@@ -51,6 +51,9 @@
     │   ├── MissingCheckpoint (RuntimeError) a restore found less than was written
     │   └── OnlineCheckpointError            an online restart cannot restore every
     │       (RuntimeError)                   batch Spark committed
+    ├── CallTimeout (RuntimeError)           a callback made no progress for
+    │                                        call_timeout seconds (the cause inside
+    │                                        IterationFailedError); not retried
     ├── CutError (RuntimeError)              the coordinator's cut protocol saw an event
     │                                        it does not allow (a bug, not user input)
     └── RemoteFailure                        one failure of user code, with where, epoch
