@@ -59,6 +59,7 @@ from .._streams import ReplayableDataStreamList, _is_dataframe
 from .controller import RunController, RunState
 from .metrics import RunMeter, bounded_description, bounded_meter
 from .placement import (
+    Launched,
     actor_class,
     keep_spare,
     kill,
@@ -393,13 +394,14 @@ def iterate_bounded_streams_until_termination(
         resume=config.resume_from is not None,
         expect=checkpoint.expect_epoch if checkpoint is not None else None,
     )
-    actor, actor_name = None, name
+    # ``launched`` holds the creation arguments of the actor Ray may restart
+    actor, actor_name, launched = None, name, None
     meter = bounded_meter(config.name or "iteration", run_id, config.mode)
     try:
         while run.state is not RunState.FINISHED:
             attempt = run.attempt
-            actor, actor_name = _coordinator_for(
-                run, (actor, actor_name), actor_cls, name, spec, checkpoint
+            actor, actor_name, launched = _coordinator_for(
+                run, (actor, actor_name, launched), actor_cls, name, spec, checkpoint
             )
             run_plan = dataclasses.replace(
                 plan, actor_name=actor_name, attempt=attempt, restore=run.restore
@@ -490,15 +492,15 @@ def iterate_bounded_streams_until_termination(
 
 def _coordinator_for(
     run: RunController,
-    current: tuple[Any, str],
+    current: tuple[Any, str, Launched | None],
     actor_cls: Any,
     name: str,
     spec: CoordinatorSpec,
     checkpoint: CheckpointSpec | None,
-) -> tuple[Any, str]:
-    """The coordinator of ``run``'s next attempt and its name: the ``current`` one
-    (handle, name) when Ray restarted it (told to serve the attempt), else a spare or a
-    new one (the handle is None)."""
+) -> tuple[Any, str, Launched | None]:
+    """The coordinator of ``run``'s next attempt: (handle, name, what holds its creation
+    arguments). The ``current`` one when Ray restarted it (told to serve the attempt),
+    else (its handle None) a spare or a new one."""
     attempt = run.attempt
     if current[0] is not None:  # restarted by Ray: it serves the next launch once told so
         _call(current[0], "begin_attempt", attempt)
@@ -513,13 +515,14 @@ def _coordinator_for(
     # the previous run's, retired, or one started ahead
     spare = take_spare(actor_cls, "configure", launch_spec) if checkpoint is None else None
     if spare is not None:
-        return spare
+        return (*spare, None)
     # the driver holds the spec (it can be megabytes of initial variables) for as long
     # as Ray may restart this actor from it; a new actor accepts this launch's calls
     # from its start: the Spark stage is submitted while its process starts (a failure
     # to start reaches the tasks and the monitor)
     actor_name = f"{name}.a{attempt}"
-    return launch_held(actor_cls, actor_name, launch_spec).handle, actor_name
+    launched = launch_held(actor_cls, actor_name, launch_spec)
+    return launched.handle, actor_name, launched
 
 
 def _call(actor: Any, method: str, *args: Any, timeout: float = 120.0) -> Any:

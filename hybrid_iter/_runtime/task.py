@@ -42,7 +42,7 @@ from coordinator._tree import TreeSpec, precombine
 
 from .._errors import DataValidationError, UsageError
 
-__all__ = ["PartitionCollector", "PartitionContext", "TaskPlan", "run_round", "run_subtask"]
+__all__ = ["TaskPlan", "run_round", "run_subtask"]
 
 
 @dataclass(frozen=True)
