@@ -12,12 +12,11 @@ from ._checkpoint import (
     CheckpointStore,
     LoadedCheckpoint,
     checkpoint_key,
-    damaged_since,
-    fingerprint_mismatch,
     previous_checkpoint_key,
 )
 from ._core import CoordinatorCore
 from ._errors import (
+    CallTimeout,
     CheckpointCorrupt,
     CheckpointEncodeError,
     CheckpointError,
@@ -41,6 +40,13 @@ from ._errors import (
     VariablesMismatchError,
 )
 from ._hooks import RuntimeHooks
+from ._identity import (
+    RestoredCheckpoint,
+    damaged_since,
+    fingerprint_mismatch,
+    iteration_fingerprint,
+    node_local_refusal,
+)
 from ._link import CoordinatorLink, InProcessLink, Pending, RayLink
 from ._online import OnlineCoordinator
 from ._online_protocol import (
@@ -64,6 +70,7 @@ from ._variables import VariablesPayload, VariableSpec, VariablesStore, normaliz
 
 __all__ = [
     "BadFile",
+    "CallTimeout",
     "CheckpointCorrupt",
     "CheckpointEncodeError",
     "CheckpointError",
@@ -107,6 +114,7 @@ __all__ = [
     "Release",
     "RemoteFailure",
     "Reply",
+    "RestoredCheckpoint",
     "ResultData",
     "RuntimeHooks",
     "StateMachineError",
@@ -121,6 +129,8 @@ __all__ = [
     "checkpoint_key",
     "damaged_since",
     "fingerprint_mismatch",
+    "iteration_fingerprint",
+    "node_local_refusal",
     "normalize_variables",
     "previous_checkpoint_key",
 ]

@@ -72,7 +72,6 @@ import storage_uri
 from ._errors import (
     CheckpointCorrupt,
     CheckpointEncodeError,
-    ForeignCheckpoint,
     IterationConfigError,
     UnpicklableOperator,
 )
@@ -84,12 +83,10 @@ __all__ = [
     "CheckpointStore",
     "LoadedCheckpoint",
     "checkpoint_key",
-    "damaged_since",
     "delete_name",
     "describe_value",
     "dump_operator",
     "dumps_state",
-    "fingerprint_mismatch",
     "first_unpicklable",
     "key_id",
     "list_names",
@@ -117,6 +114,8 @@ class LoadedCheckpoint:
     skipped: tuple[tuple[str, str], ...] = ()
     #: the run that wrote it
     run_id: str = ""
+    #: the epochs of the skipped files (``skipped`` in the same order)
+    skipped_epochs: tuple[int, ...] = ()
 
 
 def _env_key(name: str) -> bytes | None:
@@ -659,6 +658,7 @@ class CheckpointStore:
         checkpoint of another run (``run_id`` set and different) raises
         ForeignCheckpoint, naming both runs."""
         skipped: list[tuple[str, str]] = []
+        damaged: list[int] = []
         for epoch in reversed(self.checkpoint_epochs()):
             if before is not None and epoch >= before:
                 continue
@@ -667,17 +667,18 @@ class CheckpointStore:
                 header, data = self._read(name)
             except (CheckpointCorrupt, pickle.UnpicklingError, EOFError, OSError) as ex:
                 skipped.append((f"{self.dir}/{name}", str(ex)))
+                damaged.append(epoch)
                 continue
+            from ._identity import refuse_foreign_run  # it reads this module's stores
+
             run_id = str(header.get("run_id", ""))
-            if self.run_id and run_id != self.run_id:
-                raise ForeignCheckpoint(
-                    f"checkpoint {self.dir}/{name} belongs to run {run_id!r}, not to this run "
-                    f"{self.run_id!r}; it is never restored into another run: give this run "
-                    f"its own CheckpointConfig.path (or resume run {run_id!r} with "
-                    f"resume_from={self.uri!r})"
-                )
-            return LoadedCheckpoint(epoch, f"{self.dir}/{name}", data, tuple(skipped), run_id)
-        return None if not skipped else LoadedCheckpoint(-1, "", {}, tuple(skipped))
+            refuse_foreign_run(f"{self.dir}/{name}", run_id, self.run_id, self.uri)
+            return LoadedCheckpoint(
+                epoch, f"{self.dir}/{name}", data, tuple(skipped), run_id, tuple(damaged)
+            )
+        if not skipped:
+            return None
+        return LoadedCheckpoint(-1, "", {}, tuple(skipped), skipped_epochs=tuple(damaged))
 
     # -- output segments (their own functions: online runs compact them too) ---------------
 
@@ -720,18 +721,6 @@ class CheckpointStore:
             pass  # already gone
 
 
-def damaged_since(skipped: Any, epoch: int) -> bool:
-    """True when a skipped (damaged) checkpoint file of ``epoch`` or newer is listed in
-    ``skipped``: the files are visible, only damaged, so falling back to an older
-    checkpoint is right (unlike files that are missing: a node-local path)."""
-    for path, _ in skipped:
-        name = str(path).rsplit("/", 1)[-1]
-        if name.startswith("chk-") and name.endswith(".ckpt") and name[4:-5].isdigit():
-            if int(name[4:-5]) >= epoch:
-                return True
-    return False
-
-
 # -- named records beside the checkpoints (the online journal) ------------------------------
 # Small separate functions so the checkpoint framing above stays the one place that decides
 # how a file is sealed and checked: a record is written and read exactly like a checkpoint.
@@ -767,12 +756,3 @@ def delete_name(store: CheckpointStore, name: str) -> None:
         store.fs.delete_file(f"{store.dir}/{name}")
     except (OSError, FileNotFoundError):
         pass
-
-
-def fingerprint_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str:
-    """Why a checkpoint's fingerprint does not match this iteration ("" when it does)."""
-    return "; ".join(
-        f"{key}: checkpoint has {saved.get(key)!r}, this iteration has {current.get(key)!r}"
-        for key in sorted(set(saved) | set(current))
-        if saved.get(key) != current.get(key)
-    )

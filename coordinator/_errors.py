@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "CallTimeout",
     "CheckpointCorrupt",
     "CheckpointEncodeError",
     "CheckpointError",
@@ -90,16 +91,16 @@ class UnpicklableOperator(CheckpointEncodeError):
     carried from one round job to the next)."""
 
 
+class ForeignCheckpoint(CheckpointError, ValueError):
+    """A checkpoint of another run (another run id or another fingerprint)."""
+
+
 class MissingCheckpoint(CheckpointError, RuntimeError):
     """A restore did not find the checkpoint it must find (a node-local path?)."""
 
 
 class CheckpointCorrupt(CheckpointError, ValueError):
     """A checkpoint or output file failed authentication or could not be read."""
-
-
-class ForeignCheckpoint(CheckpointError, ValueError):
-    """A checkpoint of another run (another run id or another fingerprint)."""
 
 
 class VariablesMismatchError(HybridIterError, ValueError):
@@ -113,6 +114,12 @@ class NonFiniteVariables(VariablesMismatchError):
 class FeedbackShapeMismatch(VariablesMismatchError):
     """Partitions fed back arrays of different shapes (a sum would broadcast them); a
     relaunch would meet them again, so it is not retried."""
+
+
+class CallTimeout(HybridIterError, RuntimeError):
+    """A callback (or the coordinator) made no progress for ``call_timeout`` seconds; a
+    relaunch would block in it again, so it is not retried. It reaches the driver as the
+    ``cause`` of a ``RemoteFailure``."""
 
 
 class NonFiniteGradient(NonFiniteVariables, FloatingPointError):

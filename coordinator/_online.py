@@ -46,8 +46,9 @@ from ._checkpoint import (
     write_record,
 )
 from ._core import COORDINATOR, Apply, FeedbackShapes, Watermark
-from ._errors import CheckpointCorrupt, ForeignCheckpoint, RemoteFailure, UserCodeFailed
+from ._errors import CheckpointCorrupt, RemoteFailure, UserCodeFailed
 from ._host import OperatorHost
+from ._identity import refuse_not_online
 from ._online_protocol import OnlineCommit, OnlineRestore, OnlineStatus
 from ._protocol import Emissions, OutputRecord, ResultData
 from ._shell import LOADING, ProgressWaiters, object_store, startup_failure
@@ -463,8 +464,7 @@ class OnlineCoordinator:
     def _restore_snapshot(self, loaded: LoadedCheckpoint) -> None:
         assert self.snapshots is not None
         data = loaded.data
-        if not data.get("online"):
-            raise ForeignCheckpoint(f"checkpoint {loaded.path} is of another iteration: not online")
+        refuse_not_online(data, loaded.path)
         self.snapshots.restore_common(loaded, self.host, self.store)
         self.ledger.restore(data)
         self._last_outputs = data.get("last_outputs", (self.ledger.committed, []))

@@ -14,14 +14,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
 
-from ._checkpoint import (
-    CheckpointStore,
-    LoadedCheckpoint,
-    damaged_since,
-    fingerprint_mismatch,
-)
-from ._errors import ForeignCheckpoint, MissingCheckpoint
+from ._checkpoint import CheckpointStore, LoadedCheckpoint
 from ._host import OperatorHost
+from ._identity import RestoredCheckpoint, refuse_foreign_fingerprint
 from ._variables import VariablesStore
 
 __all__ = ["CheckpointInfo", "Snapshots"]
@@ -37,6 +32,8 @@ class CheckpointInfo(TypedDict):
     restored_epoch: int | None
     #: (path, why) of the files it skipped as damaged
     skipped: list[tuple[str, str]]
+    #: the epochs of the checkpoint files among them
+    skipped_epochs: list[int]
     #: Ray restarted this actor after its process died
     reconstructed: bool
 
@@ -57,6 +54,7 @@ class Snapshots:
         self.restored_from: str | None = None
         self.restored_epoch: int | None = None
         self.skipped: list[tuple[str, str]] = []
+        self.skipped_epochs: list[int] = []
         self.newest = -1  # the newest checkpoint written or restored
         self.saved_outputs = 0  # outputs[:saved_outputs] are in the files
 
@@ -72,9 +70,7 @@ class Snapshots:
 
     def check_fingerprint(self, data: Mapping[str, Any], what: str) -> None:
         """Refuse a checkpoint file of another iteration (``ForeignCheckpoint``)."""
-        mismatch = fingerprint_mismatch(data.get("fingerprint", {}), self.spec.fingerprint)
-        if mismatch:
-            raise ForeignCheckpoint(f"{what} is of another iteration: {mismatch}")
+        refuse_foreign_fingerprint(data, self.spec.fingerprint, what)
 
     def restore_common(
         self, loaded: LoadedCheckpoint, host: OperatorHost, variables: VariablesStore
@@ -103,35 +99,27 @@ class Snapshots:
         if loaded is None:
             return None
         self.skipped = list(loaded.skipped)
+        self.skipped_epochs = list(loaded.skipped_epochs)
         if loaded.epoch < 0:
             raise ValueError(
                 f"no valid checkpoint in {self.store.uri}: "
                 + "; ".join(f"{p}: {why}" for p, why in loaded.skipped)
             )
-        expect = self.spec.expect_epoch
-        if (
-            expect is not None
-            and loaded.epoch < expect
-            and not damaged_since(loaded.skipped, expect)
-        ):
-            raise MissingCheckpoint(
-                f"the coordinator (on node {node()}) found checkpoint {loaded.epoch} in "
-                f"{self.store.uri!r} as the newest valid one, but checkpoint {expect} "
-                f"was written: the path is not shared by every node, or newer files were "
-                f"lost ({'; '.join(f'{p}: {w}' for p, w in loaded.skipped) or 'none skipped'})"
-            )
+        self._refuse_missing(loaded.epoch, node)
         return loaded
 
     def none_found(self, node: Callable[[], str]) -> None:
         """No checkpoint to restore: an error when the driver saw one written."""
-        if self.spec.expect_epoch is not None:
-            raise MissingCheckpoint(
-                f"the coordinator (on node {node()}) found no checkpoint in "
-                f"{self.spec.uri!r}, but checkpoint {self.spec.expect_epoch} was written: the "
-                f"path is not shared by every node (a node-local file:// path on a "
-                f"multi-node cluster?); use shared storage (s3://, gs://, hdfs://, "
-                f"or a mount every node sees)"
-            )
+        self._refuse_missing(None, node)
+
+    def _refuse_missing(self, found: int | None, node: Callable[[], str]) -> None:
+        """``MissingCheckpoint`` when checkpoint ``found`` is less than the driver saw
+        written (``expect_epoch``) and the newer files are not merely damaged."""
+        restored = RestoredCheckpoint(
+            found, self.spec.expect_epoch, tuple(self.skipped_epochs), tuple(self.skipped)
+        )
+        if restored.missing:
+            raise restored.error(self.spec.uri, f"the coordinator (on node {node()})")
 
     def outputs_until(self, epoch: int) -> list[Any]:
         """The output records saved up to checkpoint ``epoch`` (just restored)."""
@@ -149,5 +137,6 @@ class Snapshots:
             restored_from=snapshots.restored_from if snapshots else None,
             restored_epoch=snapshots.restored_epoch if snapshots else None,
             skipped=list(snapshots.skipped) if snapshots else [],
+            skipped_epochs=list(snapshots.skipped_epochs) if snapshots else [],
             reconstructed=reconstructed,
         )

@@ -67,6 +67,9 @@ import them (``hybrid_iter``, ``hybrid_iter.ps``, ``hybrid_iter.cli``,
     │   ├── MissingCheckpoint (RuntimeError) a restore found less than was written
     │   └── OnlineCheckpointError            an online restart cannot restore every
     │       (RuntimeError)                   batch Spark committed
+    ├── CallTimeout (RuntimeError)           a callback made no progress for
+    │                                        call_timeout seconds (the cause inside
+    │                                        IterationFailedError); not retried
     ├── StateMachineError, CutError,         the coordinator's epoch state machine, cut
     │   CoreError (RuntimeError)             protocol or core saw an event it does not
     │                                        allow (a bug, not user input)

@@ -22,7 +22,8 @@ from coordinator import (
     ForeignCheckpoint,
     IterationCoordinator,
 )
-from coordinator._checkpoint import _MAGIC, KEY_ENV, checkpoint_key, damaged_since, key_id
+from coordinator._checkpoint import _MAGIC, KEY_ENV, checkpoint_key, key_id
+from coordinator._identity import damaged_since
 from hybrid_iter._runtime.iterate import node_local_refusal
 
 KEY = b"k" * 32
@@ -201,5 +202,6 @@ def test_a_damaged_newest_checkpoint_falls_back_but_a_missing_one_fails(tmp_path
     newest.write_bytes(newest.read_bytes()[:-3])
     loaded = store.load_latest()
     assert loaded.epoch == 4
-    assert damaged_since(loaded.skipped, 6)  # visible but damaged: falling back is right
-    assert not damaged_since(loaded.skipped, 7)  # expected 7, never seen: missing
+    assert loaded.skipped_epochs == (6,)
+    assert damaged_since(loaded.skipped_epochs, 6)  # visible but damaged: falling back is right
+    assert not damaged_since(loaded.skipped_epochs, 7)  # expected 7, never seen: missing

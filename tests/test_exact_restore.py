@@ -28,7 +28,8 @@ from coordinator import (
     OnlineCoordinator,
 )
 from coordinator._checkpoint import KEY_ENV, PREVIOUS_KEY_ENV
-from hybrid_iter._runtime.iterate import _check_restored, _retryable
+from hybrid_iter._runtime.controller import FailurePolicy, RunController, Verdict
+from hybrid_iter._runtime.iterate import _missing_failure, _restored_by
 from hybrid_iter.testing import FaultInjection
 
 EPOCHS = 16
@@ -273,15 +274,21 @@ def test_a_restarted_coordinator_that_restored_too_old_a_checkpoint_is_a_typed_f
         checkpoint=checkpoint,
     )
     actor = ray.remote(num_cpus=0)(IterationCoordinator).remote(spec)
+    run = RunController(3, checkpoint_uri=checkpoint.uri, expect=6)
+    run.running()
+    assert run.failed(hi.IterationFailedError("the coordinator actor died", {})).relaunch
     try:
         assert ray.get(actor.checkpoint_info.remote())["restored_epoch"] is None
-        with pytest.raises(hi.IterationFailedError) as err:
-            _check_restored(actor, 6, checkpoint)
+        restored = _restored_by(actor, run.expect)
     finally:
         ray.kill(actor)
-    assert isinstance(err.value.failures["coordinator"].cause, MissingCheckpoint)
-    assert "found no checkpoint" in str(err.value) and "checkpoint 6 was written" in str(err.value)
-    assert not _retryable(err.value)
+    assert restored.found is None and restored.older and restored.missing
+    error = run.restored(restored)
+    assert isinstance(error, MissingCheckpoint)
+    failure = _missing_failure(error)
+    assert isinstance(failure.failures["coordinator"].cause, MissingCheckpoint)
+    assert "found no checkpoint" in str(failure) and "checkpoint 6 was written" in str(failure)
+    assert FailurePolicy.classify(failure) is Verdict.FATAL
 
 
 # -- key rotation ---------------------------------------------------------------------------

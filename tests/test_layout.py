@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -150,7 +151,6 @@ def test_every_test_that_needs_raydp_runs_in_the_ci_raydp_environment():
             assert f"{rel}::{name}" in entries, f"{rel}::{name} needs RayDP: list it in .ci/run"
 
 
-#: exception classes that may be defined outside an ``_errors.py``, with why
 #: exception classes allowed outside an ``_errors.py`` (module -> names), each with why
 EXCEPTIONS_ELSEWHERE: dict[str, set[str]] = {}
 PACKAGES = ("hybrid_iter", "coordinator", "spark_ops", "storage_uri")
@@ -267,3 +267,92 @@ def test_no_import_cycle_inside_ml():
 def test_the_cycle_check_finds_a_cycle():
     assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert import_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _module_imports(package: str) -> dict[str, set[str]]:
+    """Module name -> the modules of ``package`` it imports when it is loaded (imports
+    inside functions and under ``TYPE_CHECKING`` do not run then)."""
+    base = ROOT / package
+    modules = {}
+    for path in base.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def loaded(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+        for node in body:
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                yield node
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+                yield from loaded(node.body)
+                yield from loaded(node.orelse)
+            elif isinstance(node, ast.Try):
+                yield from loaded(node.body)
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        deps = set()
+        for node in loaded(ast.parse(path.read_text()).body):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name in modules}
+                continue
+            if node.level:
+                parent = here[: len(here) - node.level + 1]
+                target = ".".join(parent + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            submodules = {f"{target}.{a.name}" for a in node.names} & modules.keys()
+            # ``from . import a`` of submodules only: the package is being loaded already
+            deps |= submodules or ({target} & modules.keys())
+        graph[name] = deps - {name}
+    return graph
+
+
+def _a_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> list[str] | None:
+        if name in path:
+            return [*path[path.index(name) :], name]
+        if name in done:
+            return None
+        for dep in sorted(graph[name]):
+            cycle = visit(dep, [*path, name])
+            if cycle:
+                return cycle
+        done.add(name)
+        return None
+
+    for name in sorted(graph):
+        cycle = visit(name, [])
+        if cycle:
+            return cycle
+    return None
+
+
+@pytest.mark.parametrize("package", ["hybrid_iter", "coordinator"])
+def test_no_import_cycle_between_modules(package):
+    """A cycle makes the import order decide what is defined when (the operator API and
+    the subtask runtime once imported each other)."""
+    cycle = _a_cycle(_module_imports(package))
+    assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}"
+
+
+def test_the_cycle_check_sees_a_cycle(tmp_path, monkeypatch):
+    pkg = tmp_path / "circle"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import x\n")
+    (pkg / "b.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    pass\nfrom . import a\n\nx = 1\n"
+    )
+    (pkg / "c.py").write_text("def f():\n    from . import a\n")  # loaded late: no edge
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    graph = _module_imports("circle")
+    assert graph == {
+        "circle": set(),
+        "circle.a": {"circle.b"},
+        "circle.b": {"circle.a"},
+        "circle.c": set(),
+    }
+    assert _a_cycle(graph) == ["circle.a", "circle.b", "circle.a"]

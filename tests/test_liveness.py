@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import hybrid_iter as hi
+from coordinator import CallTimeout
 
 
 class Grad(hi.PartitionOperator):
@@ -47,6 +48,8 @@ def test_a_blocking_partition_operator_fails_the_run_naming_it(spark):
     assert "partition 1 made no progress" in text
     assert "Grad.on_epoch_watermark_incremented at epoch 2" in text
     assert info.value.failures[1].type_name == "CallTimeout"
+    # typed all the way from the Spark task: the driver's policy reads the type
+    assert isinstance(info.value.failures[1].cause, CallTimeout)
 
 
 def test_a_blocking_coordinator_operator_fails_the_run_naming_it(spark):
@@ -55,6 +58,7 @@ def test_a_blocking_coordinator_operator_fails_the_run_naming_it(spark):
     text = str(info.value)
     assert "coordinator operator made no progress" in text
     assert "Step.on_epoch_watermark_incremented at epoch 1" in text
+    assert isinstance(info.value.failures["coordinator"].cause, CallTimeout)
 
 
 def test_the_session_still_runs_iterations_after_a_timeout(spark):

@@ -11,7 +11,7 @@ import pytest
 import hybrid_iter as hi
 from coordinator._protocol import Emissions, Reply
 from coordinator._tree import SumCombiner, fold, group_bounds, precombine
-from hybrid_iter._runtime.iterate import _retryable
+from hybrid_iter._runtime.controller import FailurePolicy, Verdict
 from hybrid_iter.testing import FaultInjection
 
 PARTS = 4
@@ -207,7 +207,8 @@ def test_arrays_a_group_cannot_sum_fail_the_run_instead_of_hanging(data):
             {"w": np.zeros(1)}, hi.ReplayableDataStreamList.not_replay(data), config, body
         )
     assert "combining feedback" in str(info.value) and "FeedbackShapeMismatch" in str(info.value)
-    assert not _retryable(info.value)  # a relaunch would meet the same shapes
+    # a relaunch would meet the same shapes
+    assert FailurePolicy.classify(info.value) is Verdict.FATAL
 
 
 @pytest.mark.timeout(300)

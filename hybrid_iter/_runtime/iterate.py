@@ -8,37 +8,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import inspect
 import itertools
 import logging
-import pickle
-import re
 import threading
 import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
-import storage_uri
 from coordinator import (
+    CallTimeout,
     CheckpointInfo,
     CheckpointSpec,
-    CheckpointStore,
     CoordinatorSpec,
-    ForeignCheckpoint,
     IterationCoordinator,
     MissingCheckpoint,
     RemoteFailure,
+    RestoredCheckpoint,
     UnpicklableOperator,
-    ValueEncodeError,
-    checkpoint_key,
-    damaged_since,
-    fingerprint_mismatch,
-    previous_checkpoint_key,
+    node_local_refusal,
 )
+from coordinator._identity import bounded_checkpoint_spec
 from spark_ops import (
     BarrierStage,
     ReplayPlan,
@@ -58,19 +48,18 @@ from .._errors import (
     IterationConfigError,
     IterationFailedError,
     SessionError,
-    StoredArraysLost,
-    UsageError,
-    VariablesMismatchError,
     WorkerDiedError,
 )
 from .._result import IterationResult
 from .._session import Session
 from .._streams import ReplayableDataStreamList
+from .controller import RunController, RunState
 from .endpoint import EndpointPlan
 from .entry import check_entry
 from .feedback_combine import tree_spec
 from .metrics import RunMeter, bounded_description, bounded_meter
 from .placement import (
+    Launched,
     actor_class,
     keep_spare,
     kill,
@@ -83,7 +72,7 @@ from .ray_util import NAMESPACE
 from .shipping import dumps
 from .task import TaskPlan, run_round, run_subtask
 
-__all__ = ["iterate_bounded_streams_until_termination"]
+__all__ = ["iterate_bounded_streams_until_termination", "node_local_refusal"]
 
 log = logging.getLogger("hybrid_iter")
 
@@ -286,7 +275,15 @@ def iterate_bounded_streams_until_termination(
     from .ray_util import connect
 
     connect(address, namespace=NAMESPACE)
-    checkpoint = _checkpoint_spec(config, body, streams, variables, n, _alive_nodes())
+    checkpoint = bounded_checkpoint_spec(
+        config,
+        body,
+        streams,
+        variables,
+        n,
+        _alive_nodes(),
+        warn=lambda w: log.warning("hybrid_iter: %s", w),
+    )
     run_id = uuid.uuid4().hex[:12]
     name = f"hybrid_iter.{config.name or 'iteration'}.{run_id}"
     spec = CoordinatorSpec(
@@ -343,51 +340,33 @@ def iterate_bounded_streams_until_termination(
             if op is not None and type(op).__module__ != "__main__"
         }
     )
-    extra: dict[str, Any] = {"attempts": []}
-    attempt, actor, actor_name, ended = 0, None, name, False
-    restore = config.resume_from is not None
-    # the newest checkpoint known to exist: a restore that finds less fails loudly
-    expect = checkpoint.expect_epoch if checkpoint is not None else None
-    # the failures of user code met so far: one met again is not retried again
-    seen: dict[tuple[Any, ...], int] = {}
+    extra: dict[str, Any] = {}
+    run = RunController(
+        config.restarts,
+        checkpoint_uri=checkpoint.uri if checkpoint is not None else None,
+        resume=config.resume_from is not None,
+        expect=checkpoint.expect_epoch if checkpoint is not None else None,
+    )
+    # ``launched`` holds the creation arguments of the actor Ray may restart
+    actor, actor_name, launched = None, name, None
     meter = bounded_meter(config.name or "iteration", run_id, config.mode)
     try:
-        while True:
-            if actor is None:
-                actor_name = f"{name}.a{attempt}"
-                launch_spec = dataclasses.replace(
-                    spec,
-                    attempt=attempt,
-                    checkpoint=checkpoint
-                    and dataclasses.replace(checkpoint, restore=restore, expect_epoch=expect),
-                )
-                # a run Ray never restarts takes the driver's spare coordinator when
-                # there is one: the previous run's, retired, or one started ahead
-                spare = (
-                    take_spare(actor_cls, "configure", launch_spec) if checkpoint is None else None
-                )
-                if spare is not None:
-                    actor, actor_name = spare
-                else:
-                    # the driver holds the spec (it can be megabytes of initial
-                    # variables) for as long as Ray may restart this actor from it; a
-                    # new actor accepts this launch's calls from its start: the Spark
-                    # stage is submitted while its process starts (a failure to start
-                    # reaches the tasks and the monitor)
-                    launched = launch_held(actor_cls, actor_name, launch_spec)
-                    actor = launched.handle
-            else:  # restarted by Ray: it serves the next launch once told so
-                _call(actor, "begin_attempt", attempt)
+        while run.state is not RunState.FINISHED:
+            attempt = run.attempt
+            actor, actor_name, launched = _coordinator_for(
+                run, (actor, actor_name, launched), actor_cls, name, spec, checkpoint
+            )
             run_plan = dataclasses.replace(
                 plan,
                 actor_name=actor_name,
                 attempt=attempt,
-                restore=restore,
+                restore=run.restore,
                 endpoint=endpoint.serve(actor) if endpoint is not None else None,
             )
             if attempt > 0:
-                _wait_for_slots(spark, n, config, attempt, checkpoint, expect)
+                _wait_for_slots(spark, n, config, attempt, checkpoint, run.expect)
             monitor = _Monitor(actor, spark, name, config, n, attempt=attempt, meter=meter)
+            run.running()
             try:
                 if streams.any_replayed:
                     _run_rounds(monitor, run_plan, streams, n, extra)
@@ -402,43 +381,49 @@ def iterate_bounded_streams_until_termination(
                     extra["repartitioned"] = stage.repartitioned
                 data = monitor.finish()
                 extra["checkpoint"] = _call(actor, "checkpoint_info")
-                ended = True
-                break
+                run.finished()
             except BaseException as ex:
-                if monitor.checkpointed >= 0:
-                    expect = max(expect or 0, monitor.checkpointed)
-                if attempt >= config.restarts or not _retryable(ex):
+                run.checkpointed(monitor.checkpointed)
+                decision = run.failed(ex)
+                if decision.error is not None:
+                    raise decision.error from ex
+                if not decision.relaunch:
                     raise
-                _refuse_repeated(ex, attempt, seen)
-                extra["attempts"].append(
-                    f"attempt {attempt}: {type(ex).__name__}: {ex}".splitlines()[0]
-                )
                 log.warning(
                     "hybrid_iter: attempt %d of %s failed (%s); relaunching from the newest "
-                    "checkpoint (%d restart(s) left)",
+                    "checkpoint (%s)",
                     attempt,
                     name,
                     str(ex).splitlines()[0],
-                    config.restarts - attempt,
+                    decision.why,
                 )
-                attempt += 1
-                restore = checkpoint is not None
                 if _restarted_by_ray(actor):
-                    _check_restored(actor, expect, checkpoint)
+                    missing = run.restored(_restored_by(actor, run.expect))
+                    if missing is not None:
+                        raise _missing_failure(missing) from ex
                 else:
                     kill(actor, f"the coordinator actor {name}")
                     actor = None
+                    run.restored(None)  # a new coordinator checks what it restores
+    except BaseException:
+        run.abort()
+        raise
     finally:
-        meter.close(failed=not ended)
+        meter.close(failed=run.state is not RunState.FINISHED)
         # after a run that ended well, a coordinator Ray never restarts waits as the
         # driver's spare for its next run (no process to start then); else it is killed
         # and a fresh spare started
         if actor is not None and not (
-            ended and checkpoint is None and retire_as_spare(actor_cls, actor, actor_name)
+            run.state is RunState.FINISHED
+            and checkpoint is None
+            and retire_as_spare(actor_cls, actor, actor_name)
         ):
             kill(actor, f"the coordinator actor {name}")
         if checkpoint is None:
             keep_spare(actor_cls, warm)
+    extra["attempts"] = list(run.failed_attempts)
+    if run.restores:
+        extra["restores"] = [(r.found, r.expected) for r in run.restores]
     times = data.alignment_times
     return IterationResult(
         variables=data.variables,
@@ -460,6 +445,41 @@ def iterate_bounded_streams_until_termination(
             "object_store_puts": data.object_store_puts,
         },
     )
+
+
+def _coordinator_for(
+    run: RunController,
+    current: tuple[Any, str, Launched | None],
+    actor_cls: Any,
+    name: str,
+    spec: CoordinatorSpec,
+    checkpoint: CheckpointSpec | None,
+) -> tuple[Any, str, Launched | None]:
+    """The coordinator of ``run``'s next attempt: (handle, name, what holds its creation
+    arguments). The ``current`` one when Ray restarted it (told to serve the attempt),
+    else (its handle None) a spare or a new one."""
+    attempt = run.attempt
+    if current[0] is not None:  # restarted by Ray: it serves the next launch once told so
+        _call(current[0], "begin_attempt", attempt)
+        return current
+    launch_spec = dataclasses.replace(
+        spec,
+        attempt=attempt,
+        checkpoint=checkpoint
+        and dataclasses.replace(checkpoint, restore=run.restore, expect_epoch=run.expect),
+    )
+    # a run Ray never restarts takes the driver's spare coordinator when there is one:
+    # the previous run's, retired, or one started ahead
+    spare = take_spare(actor_cls, "configure", launch_spec) if checkpoint is None else None
+    if spare is not None:
+        return (*spare, None)
+    # the driver holds the spec (it can be megabytes of initial variables) for as long
+    # as Ray may restart this actor from it; a new actor accepts this launch's calls
+    # from its start: the Spark stage is submitted while its process starts (a failure
+    # to start reaches the tasks and the monitor)
+    actor_name = f"{name}.a{attempt}"
+    launched = launch_held(actor_cls, actor_name, launch_spec)
+    return launched.handle, actor_name, launched
 
 
 def _call(actor: Any, method: str, *args: Any, timeout: float = 120.0) -> Any:
@@ -486,172 +506,30 @@ def _restarted_by_ray(actor: Any) -> bool:
             return False  # dead for good (or never restartable)
 
 
-def _check_restored(actor: Any, expect: int | None, checkpoint: CheckpointSpec | None) -> None:
-    """A coordinator Ray restarted must have reloaded the newest checkpoint the driver
-    saw written; anything older means its node cannot see the files (MissingCheckpoint,
-    as when the coordinator finds it out itself)."""
-    if expect is None or checkpoint is None:
-        return
+def _restored_by(actor: Any, expect: int | None) -> RestoredCheckpoint:
+    """What a coordinator Ray restarted restored, against the newest checkpoint the
+    driver saw written (``expect``)."""
     info: CheckpointInfo = _call(actor, "checkpoint_info")
-    got = info["restored_epoch"]
-    if (got is None or got < expect) and not damaged_since(info["skipped"], expect):
-        message = (
-            f"the coordinator was restarted by Ray but found "
-            f"{'checkpoint ' + str(got) if got is not None else 'no checkpoint'} in "
-            f"{checkpoint.uri!r} although checkpoint {expect} was written: the checkpoint path "
-            f"is not visible on the node it was restarted on; use storage every node shares "
-            f"(s3://, gs://, hdfs://, or a shared mount with "
-            f"CheckpointConfig(shared_filesystem=True))"
+    restored = RestoredCheckpoint.of_info(info, expect)
+    if restored.older and not restored.missing:
+        log.warning(
+            "hybrid_iter: the restarted coordinator restored checkpoint %s, older than "
+            "checkpoint %s, whose files are damaged (%s)",
+            restored.found,
+            restored.expected,
+            "; ".join(f"{p}: {w}" for p, w in restored.skipped),
         )
-        failure = RemoteFailure(
-            "coordinator",
-            None,
-            "restoring a checkpoint",
-            "MissingCheckpoint",
-            message,
-            "",
-            MissingCheckpoint(message),
-        )
-        raise IterationFailedError(message, {"coordinator": failure})
+    return restored
 
 
-#: failures that a relaunch would meet again (by the type of their cause)
-_FATAL = (
-    VariablesMismatchError,
-    IterationConfigError,
-    StoredArraysLost,  # a relaunch would miss the same arrays: the fit reads from Spark
-    ForeignCheckpoint,
-    MissingCheckpoint,  # the restore found less than was written: the path is not shared
-    ValueEncodeError,  # the same value would be met again (a checkpoint's, an output)
-    UsageError,  # an API called where it cannot be: the same call is made again
-)
-
-
-def _retryable(ex: BaseException) -> bool:
-    """Bad input fails the same way again; anything else may be transient."""
-    if isinstance(ex, (IterationConfigError, DataValidationError, KeyboardInterrupt, SystemExit)):
-        return False
-    if isinstance(ex, IterationFailedError):
-        if any(getattr(f, "type_name", "") == "CallTimeout" for f in ex.failures.values()):
-            return False  # a callback that blocks would block again
-        return not any(isinstance(getattr(f, "cause", None), _FATAL) for f in ex.failures.values())
-    return True
-
-
-def _failure_key(ex: BaseException) -> tuple[Any, ...] | None:
-    """What identifies a failure of user code across attempts: where (partition or
-    coordinator, callback, epoch) and what (exception type and message, object addresses
-    blanked). None for failures that name no user code (a lost process, a Spark error)."""
-    failures = getattr(ex, "failures", None) if isinstance(ex, IterationFailedError) else None
-    for f in (failures or {}).values():
-        if isinstance(f, RemoteFailure):
-            message = re.sub(r"0x[0-9a-fA-F]+", "0x?", f.message)
-            return (f.source, f.epoch, f.where, f.type_name, message)
-    return None
-
-
-def _refuse_repeated(ex: BaseException, attempt: int, seen: dict[tuple[Any, ...], int]) -> None:
-    """A failure of user code is relaunched once; the same failure (the same exception
-    type and message, in the same callback of the same operator at the same epoch) met
-    again is a deterministic bug, and further relaunches are not spent on it."""
-    key = _failure_key(ex)
-    if key is None:
-        return
-    if key in seen:
-        assert isinstance(ex, IterationFailedError)
-        raise IterationFailedError(
-            f"{ex.message} (the same failure as attempt {seen[key]}: a relaunch met it "
-            f"again, so it is deterministic and not retried again; fix the code or data it "
-            f"names)",
-            ex.failures,
-        ) from ex
-    seen[key] = attempt
-
-
-def _fingerprint(
-    body: IterationBody,
-    streams: ReplayableDataStreamList,
-    variables: Mapping[str, Any],
-    n: int,
-    config: IterationConfig | None = None,
-) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed by this iteration. With ``config``
-    (bounded runs) also digests of the body (operator classes' source and pickled
-    attributes), of the initial variables' values and of the config fields that change
-    the result: a resume with another learning rate or other initial values is refused."""
-
-    def name(obj: Any) -> str | None:
-        return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
-
-    out: dict[str, Any] = {
-        "variables": {k: (tuple(v.shape), str(v.dtype)) for k, v in sorted(variables.items())},
-        "partition_operator": name(body.partition),
-        "coordinator_operator": name(body.coordinator),
-        "listeners": [name(x) for x in body.coordinator_listeners],
-        "data_streams": len(streams),
-        "subtasks": n,
-    }
-    if config is not None:
-        ops: dict[str, Any] = {
-            "partition": body.partition,
-            "coordinator": body.coordinator,
-            "per_round_partition": body.per_round_partition,
-            "per_round_coordinator": body.per_round_coordinator,
-        }
-        ops.update({f"listener{i}": x for i, x in enumerate(body.coordinator_listeners)})
-        out["body"] = {k: _digest_operator(op).hex()[:16] for k, op in ops.items()}
-        h = hashlib.sha256()
-        for k, v in sorted(variables.items()):
-            h.update(f"{k}|{v.dtype.str}|{v.shape}|".encode())
-            h.update(np.ascontiguousarray(v).tobytes())
-        out["init_variables"] = h.hexdigest()[:16]
-        out["config"] = {
-            "staleness": config.staleness,
-            "operator_lifecycle": str(config.operator_lifecycle.value),
-            "replayed": list(streams.replayed),
-        }
-    return out
-
-
-def _digest_operator(op: Any) -> bytes:
-    """A digest of one operator that is stable across processes (cloudpickle's bytes
-    are not: they carry per-process class ids): its class, the class's source, and
-    each attribute pickled by value where plain pickle can, else its type."""
-    if op is None:
-        return b"-"
-    h = hashlib.sha256(f"{type(op).__module__}.{type(op).__qualname__}".encode())
-    for klass in type(op).__mro__:
-        if klass.__module__.split(".")[0] in ("builtins", "hybrid_iter"):
-            continue
-        try:
-            h.update(inspect.getsource(klass).encode())
-        except (OSError, TypeError):
-            h.update(klass.__qualname__.encode())
-    for key, value in sorted(getattr(op, "__dict__", {}).items()):
-        h.update(key.encode())
-        try:
-            h.update(pickle.dumps(value, protocol=4))
-        except Exception:
-            h.update(f"{type(value).__module__}.{type(value).__qualname__}".encode())
-    return h.digest()
-
-
-def node_local_refusal(uri: str, alive_nodes: int, shared_filesystem: bool) -> str | None:
-    """Why a checkpoint path cannot be used on this cluster (None: it can). Pure.
-
-    A ``file:`` URI or a plain path lands on the disk of whichever node runs the
-    coordinator; on a multi-node cluster a coordinator restarted elsewhere would not
-    find it, and the driver's checks would read another disk."""
-    local = storage_uri.parse(uri, what="checkpoint path", error=IterationConfigError).is_local
-    if not local or alive_nodes <= 1 or shared_filesystem:
-        return None
-    return (
-        f"checkpoint path {uri!r} is node-local, and the Ray cluster has {alive_nodes} nodes: "
-        f"checkpoints would land on whichever node runs the coordinator, and a coordinator "
-        f"restarted on another node (or the driver) would not find them. Use storage every "
-        f"node shares (s3://, gs://, hdfs://), or, for a mount every node sees at the same "
-        f"path (NFS, ...), declare it with CheckpointConfig(path, shared_filesystem=True)"
+def _missing_failure(error: MissingCheckpoint) -> IterationFailedError:
+    """A restore that missed a written checkpoint, as the run's failure (final: the
+    checkpoint path is not visible where the coordinator runs)."""
+    message = str(error)
+    failure = RemoteFailure(
+        "coordinator", None, "restoring a checkpoint", "MissingCheckpoint", message, "", error
     )
+    return IterationFailedError(message, {"coordinator": failure})
 
 
 def _alive_nodes() -> int:
@@ -661,83 +539,6 @@ def _alive_nodes() -> int:
         return sum(1 for node in ray.nodes() if node.get("Alive"))
     except Exception:  # cannot tell: assume one node (the check errs on the safe side below)
         return 1
-
-
-def _checkpoint_spec(
-    config: IterationConfig,
-    body: IterationBody,
-    streams: ReplayableDataStreamList,
-    variables: Mapping[str, Any],
-    n: int,
-    alive_nodes: int = 1,
-) -> CheckpointSpec | None:
-    """Check the checkpoint settings before any job; the actor's CheckpointSpec."""
-    ck = config.checkpoint
-    if ck is None and config.resume_from is None:
-        return None
-    uri = ck.path if ck is not None else config.resume_from
-    assert uri is not None
-    refusal = node_local_refusal(
-        uri, alive_nodes, bool(ck is not None and getattr(ck, "shared_filesystem", False))
-    )
-    if refusal:
-        raise IterationConfigError(refusal)
-    if streams.any_replayed:
-        raise IterationConfigError(
-            "checkpoints and resume_from are not supported with replayed streams yet: an "
-            "iteration with replayed streams restarts from round 0; read the streams once "
-            "(not_replay) to checkpoint it"
-        )
-    if ck is not None and config.resume_from is not None and ck.path != config.resume_from:
-        raise IterationConfigError(
-            f"resume_from={config.resume_from!r} and CheckpointConfig.path={ck.path!r} differ; "
-            f"a resumed iteration continues writing checkpoints where it resumes from"
-        )
-    fingerprint = _fingerprint(body, streams, variables, n, config)
-    try:
-        key, previous_key = checkpoint_key(), previous_checkpoint_key()
-    except ValueError as ex:
-        raise IterationConfigError(str(ex)) from None
-    store = CheckpointStore(
-        uri, keep_last=ck.keep_last if ck else 2, key=key, previous_key=previous_key
-    )
-    run_id, expect = uuid.uuid4().hex[:16], None
-    if config.resume_from is None:
-        if store.holds_files():
-            other = store.peek_run_id()
-            raise IterationConfigError(
-                f"CheckpointConfig.path {uri!r} already holds checkpoints of "
-                f"{'run ' + repr(other) if other else 'a run'}; resume it with "
-                f"IterationConfig(resume_from={uri!r}) or use an empty directory (nothing "
-                f"there is overwritten)"
-            )
-    else:
-        loaded = store.load_latest()
-        if loaded is None or loaded.epoch < 0:
-            why = "; ".join(f"{p}: {w}" for p, w in (loaded.skipped if loaded else ()))
-            raise IterationConfigError(
-                f"resume_from={config.resume_from!r} holds no valid checkpoint"
-                + (f" ({why})" if why else "")
-            )
-        for path, why in loaded.skipped:
-            log.warning("hybrid_iter: skipping checkpoint %s: %s", path, why)
-        mismatch = fingerprint_mismatch(loaded.data.get("fingerprint", {}), fingerprint)
-        if mismatch:
-            raise IterationConfigError(
-                f"checkpoint {loaded.path} is of another iteration (run {loaded.run_id!r}) and "
-                f"cannot be resumed by this one (a new run): {mismatch}"
-            )
-        run_id, expect = loaded.run_id, loaded.epoch  # this run continues that one
-    return CheckpointSpec(
-        uri=store.uri,
-        every_epochs=ck.every_epochs if ck is not None else 0,
-        keep_last=ck.keep_last if ck is not None else 2,
-        fingerprint=fingerprint,
-        run_id=run_id,
-        key=key,
-        previous_key=previous_key,
-        expect_epoch=expect,
-    )
 
 
 def _run_rounds(
@@ -896,6 +697,7 @@ class _Monitor:
             "CallTimeout",
             message,
             "",
+            CallTimeout(message),
         )
         raise IterationFailedError(f"the iteration failed: {message}", {"coordinator": failure})
 

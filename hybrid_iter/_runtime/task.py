@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from coordinator import (
+    CallTimeout,
     CoordinatorLink,
     Emissions,
     Pending,
@@ -41,7 +42,7 @@ from coordinator._tree import TreeSpec, precombine
 
 from .._errors import DataValidationError, UsageError, _Aborted
 
-__all__ = ["PartitionCollector", "PartitionContext", "TaskPlan", "run_round", "run_subtask"]
+__all__ = ["TaskPlan", "run_round", "run_subtask"]
 
 
 @dataclass(frozen=True)
@@ -585,15 +586,13 @@ def _watch(task: _TaskSteps, stop: threading.Event) -> None:
             if where == "waiting for the coordinator" or stuck < timeout:
                 continue
             label = task.label()
-            failure = RemoteFailure(
-                task.pid,
-                task.ctx.epoch,
-                label,
-                "CallTimeout",
+            message = (
                 f"partition {task.pid} made no progress for {stuck:.0f} s in {label} at "
                 f"epoch {task.ctx.epoch} ({task.config}(call_timeout={timeout:g})): a "
-                f"callback that blocks, or one that needs a larger call_timeout",
-                "",
+                f"callback that blocks, or one that needs a larger call_timeout"
+            )
+            failure = RemoteFailure(
+                task.pid, task.ctx.epoch, label, "CallTimeout", message, "", CallTimeout(message)
             )
             _send_failure(task, failure)  # the coordinator gone: the job fails anyway
             return

@@ -25,7 +25,6 @@ from typing import Any
 import storage_uri
 from coordinator import (
     BadFile,
-    CheckpointSpec,
     CoordinatorSpec,
     OnlineCommit,
     OnlineCoordinator,
@@ -33,6 +32,7 @@ from coordinator import (
     OutputRecord,
     PartitionTally,
 )
+from coordinator._identity import online_checkpoint_spec
 from spark_ops import require_spark_filesystem
 
 from ..._body import IterationBody
@@ -283,7 +283,7 @@ def iterate_unbounded_streams(
         )
     parquet, arrow_schema = _our_parquet_source(df, cfg) or (None, None)
 
-    from ..iterate import _fingerprint, _ray_address
+    from ..iterate import _ray_address
 
     address = _ray_address(spark)
     connect(address, namespace=NAMESPACE)
@@ -296,12 +296,8 @@ def iterate_unbounded_streams(
         # <location>/hybrid_iter through pyarrow
         here = storage_uri.parse(cfg.checkpoint_location, error=IterationConfigError)
         location = here.uri
-        checkpoint = CheckpointSpec(
-            uri=here.join("hybrid_iter").uri,
-            every_epochs=1,
-            keep_last=cfg.keep_last,
-            fingerprint={**_fingerprint(body, data_streams, variables, 0), "online": True},
-            restore=True,
+        checkpoint = online_checkpoint_spec(
+            here.join("hybrid_iter").uri, cfg.keep_last, body, data_streams, variables
         )
         dead_letter_path = dead_letter_path or here.join("dead_letter").uri
     spec = CoordinatorSpec(
