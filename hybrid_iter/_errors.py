@@ -73,6 +73,8 @@ import them (``hybrid_iter``, ``hybrid_iter.ps``, ``hybrid_iter.cli``,
     ├── StateMachineError, CutError,         the coordinator's epoch state machine, cut
     │   CoreError (RuntimeError)             protocol or core saw an event it does not
     │                                        allow (a bug, not user input)
+    ├── RunStateError (RuntimeError)         the driver's run controller saw a move it
+    │                                        does not allow (a bug, not user input)
     ├── InjectedFault (RuntimeError)         test-only: ``FaultInjection`` made a subtask
     │                                        fail (``hybrid_iter.testing`` re-exports it)
     ├── EndpointError (ConnectionError)      a subtask cannot use its coordinator's
@@ -146,6 +148,7 @@ __all__ = [
     "ModelNotFoundError",
     "OnlineCheckpointError",
     "RemoteFailure",
+    "RunStateError",
     "SessionError",
     "ShardLost",
     "ShardsUnavailable",
@@ -297,6 +300,11 @@ class ShardsUnavailable(HybridIterError, RuntimeError):
 
 class CliError(HybridIterError, ValueError):
     """A bad flag or environment variable; the message names it and the fix."""
+
+
+class RunStateError(HybridIterError, RuntimeError):
+    """A move the driver's run controller does not allow (a bug in the driver, not user
+    input)."""
 
 
 class InjectedFault(HybridIterError, RuntimeError):

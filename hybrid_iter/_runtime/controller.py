@@ -37,9 +37,9 @@ from coordinator import (
 
 from .._errors import (
     DataValidationError,
-    HybridIterError,
     IterationConfigError,
     IterationFailedError,
+    RunStateError,
     StoredArraysLost,
     UsageError,
     VariablesMismatchError,
@@ -70,10 +70,6 @@ _MOVES: dict[RunState, frozenset[RunState]] = {
     RunState.FINISHED: frozenset(),
     RunState.FAILED: frozenset(),
 }
-
-
-class RunStateError(HybridIterError, RuntimeError):
-    """A move the run controller does not allow (a bug in the driver, not user input)."""
 
 
 class Verdict(enum.Enum):
