@@ -327,6 +327,12 @@ def _end_ray_processes_left_by_a_failed_start() -> None:
             return
 
 
+def _raylet_wait_ran_out(ex: BaseException) -> bool:
+    """``ray.init`` gave up waiting for its own node to register (a fixed 30 s in
+    ``ray._private.node``), not refused a setting."""
+    return "timed out during startup" in str(ex)
+
+
 def _alive(pid: int) -> bool:
     """``pid`` is running (a zombie is reaped here if it is our child)."""
     with contextlib.suppress(ChildProcessError, OSError):
@@ -394,6 +400,11 @@ class _SparkStart:
             self._spark = builder.getOrCreate()
         except BaseException as ex:  # handed to the caller's thread
             self._error = ex
+
+    def wait(self) -> None:
+        """Until the start has ended, well or not."""
+        if self._thread is not None:
+            self._thread.join()
 
     def result(self) -> Any:
         """The SparkSession, made the active one of the calling thread (the JVM keeps
@@ -681,7 +692,8 @@ class Session:
         env_before = dict(os.environ)
         try:
             if owns_ray:
-                try:
+
+                def start_ray() -> None:
                     ray.init(
                         address="local",  # our own instance, even if a `ray start` runs here
                         num_cpus=cores,
@@ -692,6 +704,23 @@ class Session:
                         logging_level=logging.WARNING,
                         log_to_driver=True,
                     )
+
+                try:
+                    try:
+                        start_ray()
+                    except Exception as ex:
+                        ray.shutdown()
+                        _end_ray_processes_left_by_a_failed_start()
+                        if not (owns_spark and _raylet_wait_ran_out(ex)):
+                            raise
+                        # Ray waits a fixed 30 s for its raylet to register; on a loaded
+                        # machine the JVM starting beside it can take them: once more,
+                        # alone, after Spark has started
+                        spark_start.wait()
+                        log.warning(
+                            "Ray's node did not register in time beside Spark's start; once more"
+                        )
+                        start_ray()
                 except Exception as ex:
                     ray.shutdown()
                     _end_ray_processes_left_by_a_failed_start()
