@@ -493,10 +493,10 @@ class _WarmUp:
 
     def __init__(self, session: Session) -> None:
         self.session = session
-        self.group = f"hybrid_iter.warm_up.{id(self):x}"
+        self.tag_name = f"hybrid_iter.warm_up.{id(self):x}"
         self._lock = threading.Lock()
         self._stopping = False
-        self._job = False
+        self._tag: Any = None  # the JobTag of its Spark job, once submitted
         self._done = threading.Event()
         #: what was warmed: ``spare`` and ``store`` (actor names), ``python_workers``
         #: (pids), ``errors`` (what could not be warmed, by step), ``seconds``
@@ -565,18 +565,13 @@ class _WarmUp:
         n = max(1, available_task_slots(spark))
         schema = T.StructType([T.StructField("pid", T.LongType())])
         fn = functools.partial(_warm_python_worker, self.session.ray_address, _WORKER_MODULES)
-        sc = spark.sparkContext
+        tag = _spark_compat.JobTag(spark, self.tag_name)
         with self._lock:
             if self._stopping:
                 return
-            sc.setJobGroup(self.group, "hybrid_iter: warming Python workers", True)
-            self._job = True
-        try:
+            self._tag = tag
+        with tag.on_this_thread("hybrid_iter: warming Python workers"):
             rows = spark.range(0, n, 1, n).mapInArrow(fn, schema).collect()
-        finally:
-            sc.setLocalProperty("spark.jobGroup.id", None)
-            sc.setLocalProperty("spark.job.description", None)
-            sc.setLocalProperty("spark.job.interruptOnCancel", None)
         self.report["python_workers"] = sorted({int(r.pid) for r in rows})
 
     def _wait_ready(self, refs: list[Any]) -> None:
@@ -598,10 +593,10 @@ class _WarmUp:
         """Cancel what still runs and wait for the thread (driver)."""
         with self._lock:
             self._stopping = True
-            job = self._job
-        if job:
+            tag = self._tag
+        if tag is not None:
             with contextlib.suppress(Exception):
-                self.session.spark.sparkContext.cancelJobGroup(self.group)
+                tag.cancel()
         if self._thread.is_alive():
             self._thread.join(timeout)
             if self._thread.is_alive():  # pragma: no cover - a daemon thread; reported
