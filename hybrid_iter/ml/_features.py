@@ -33,7 +33,7 @@ from spark_ops import column_to_numpy, is_numeric_arrow_type
 from spark_ops.iteration.partition_cache import ColumnChunks
 
 from .._errors import DataValidationError, IterationConfigError, UsageError
-from .._runtime.array_store import StoredArrays, keep_arrays, read_arrays
+from .._runtime.array_store import CALL_TIMEOUT, StoredArrays, keep_arrays, read_arrays
 
 __all__ = [
     "ColumnCache",
@@ -359,6 +359,7 @@ class FeatureCache:
         self._chunks = ColumnChunks()
         self._sealed: tuple[np.ndarray, np.ndarray | None, np.ndarray | None] | None = None
         self._kept = False
+        self._handing: Any = None  # keep()'s thread
         self._standin: list[int] = []
         self.num_rows = 0
 
@@ -421,14 +422,23 @@ class FeatureCache:
 
     def keep(self) -> None:
         """Hand the arrays to the array cache when this fit writes it (once; call after
-        the rows passed validation)."""
+        the rows passed validation): a thread of this worker puts them into the object
+        store while the task goes on with its pass; ``handed_over()`` at the task's end."""
         p = self.plan
         if p.stored is None or p.stored.read or self._kept:
             return
         self._kept = True
         arrays = self._seal()
         nbytes = sum(a.nbytes for a in arrays if a is not None)
-        keep_arrays(p.stored, self.partition, arrays, nbytes)
+        self._handing = keep_arrays(p.stored, self.partition, arrays, nbytes)
+
+    def handed_over(self) -> None:
+        """Wait until what ``keep()`` hands over is in the object store and the store
+        is told (not its copy): at the task's end, so that the next fit's lookup finds
+        it. Long done by then unless the pass took less than the put."""
+        if self._handing is not None:
+            self._handing.join(CALL_TIMEOUT)
+            self._handing = None
 
     def matrix(self) -> np.ndarray:
         return self._seal()[0]

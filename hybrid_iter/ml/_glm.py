@@ -544,7 +544,6 @@ class _GLMTask(PartitionOperator):
     def open(self, ctx: Any) -> None:
         self.cache = FeatureCache(self.plan, ctx.partition_id)
         self.checked = False
-        self.keep_due = False
 
     def process_data(self, stream: int, batch: Any, ctx: Any, out: Any) -> None:
         self.cache.add(batch)
@@ -552,17 +551,10 @@ class _GLMTask(PartitionOperator):
     def process_variables(self, variables: Any, ctx: Any, out: Any) -> None:
         self.vars = variables
 
-    def _keep(self) -> None:
-        # after epoch 0's statistics went out (the coordinator works on them meanwhile)
-        if self.keep_due:
-            self.keep_due = False
-            self.cache.keep()
-
     def close(self) -> None:
-        self._keep()
+        self.cache.handed_over()
 
     def on_epoch_watermark_incremented(self, epoch: int, ctx: Any, out: Any) -> None:
-        self._keep()
         X, y, sw = self.cache.matrix(), self.cache.label(), self.cache.weight()
         phase = int(self.vars["phase"])
         if phase == DONE:
@@ -572,7 +564,9 @@ class _GLMTask(PartitionOperator):
             self.checked = True
         if phase == STATS:
             out.feedback(partition_stats(X, y, sw, family=self.family, gram=self.gram))
-            self.keep_due = True  # the rows passed validation
+            # the rows passed validation: kept for a refit while the statistics go out
+            # and the coordinator solves (a one-pass fit does not wait for it)
+            self.cache.keep()
             return
         B = np.asarray(self.vars["coef"], dtype=np.float64)
         b = np.asarray(self.vars["intercept"], dtype=np.float64)

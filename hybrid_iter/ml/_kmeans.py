@@ -169,6 +169,9 @@ class _KMeansTask(PartitionOperator):
     def process_variables(self, variables: Any, ctx: Any, out: Any) -> None:
         self.vars = variables
 
+    def close(self) -> None:
+        self.cache.handed_over()  # kept alongside the passes (``_data``)
+
     def _data(self, ctx: Any) -> np.ndarray:
         if self.X is None:
             X = self.cache.matrix()
