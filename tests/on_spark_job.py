@@ -453,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     with session:
         report["start_seconds"] = round(time.perf_counter() - t0, 2)
+        # the warm-up's job has no job group: the counts of group-less jobs below start
+        # once it has ended
+        report["warmed"] = session.warmed(timeout=600)
         nodes = [n for n in ray.nodes() if n["Alive"]]
         head = next(n["NodeID"] for n in nodes if "node:__internal_head__" in n["Resources"])
         report["session"] = {
