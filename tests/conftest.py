@@ -130,7 +130,9 @@ def session():
         object_store_memory=512 * 1024 * 1024,
     )
     try:
-        s.spark.range(4, numPartitions=SLOTS).count()  # warm-up: Python workers and JVM
+        # tests count Spark jobs and Ray actors: they start once the session's background
+        # warm-up (its own Spark job, a spare coordinator, the array store) has ended
+        s.warmed(timeout=600)
         yield s
     finally:
         from spark_ops._spark_compat import jvm_pid
