@@ -48,10 +48,9 @@ from ._errors import (
     EndpointAuthError,
     EndpointError,
     EndpointVersionMismatch,
-    RemoteFailure,
 )
-from ._link import CoordinatorLink, Pending, _FuturePending, _Mapped
-from ._protocol import Emissions, Reply
+from ._link import CoordinatorLink, Pending, _Forwarding, _FuturePending, _Mapped
+from ._protocol import Reply
 from ._variables import INLINE_LIMIT, VariablesPayload
 
 __all__ = [
@@ -396,7 +395,7 @@ class _VersionCache:
 VERSIONS = _VersionCache()
 
 
-class FlightLink:
+class FlightLink(_Forwarding):
     """The coordinator reached through its endpoint. Runs in a Spark task, without Ray.
 
     Calls run on a small thread pool so that each returns a ``Pending`` at once, as a
@@ -475,9 +474,6 @@ class FlightLink:
 
     # -- CoordinatorLink ----------------------------------------------------------------
 
-    def variables(self, known_version: int) -> Pending[VariablesPayload | None]:
-        return self._call("variables", known_version)
-
     def resolve(self, payload: VariablesPayload) -> dict[str, Any]:
         if isinstance(payload.ref, EndpointRef):
             return dict(VERSIONS.get(payload.ref, self._stream))
@@ -507,29 +503,5 @@ class FlightLink:
                 f"version {ref.version} wrong: {ex}"
             ) from None
 
-    def report(self, *args: Any) -> Pending[Reply]:
-        return self._call("report", *args)
-
-    def checkpoint_state(self, *args: Any) -> Pending[Reply]:
-        return self._call("checkpoint_state", *args)
-
-    def finish(self, *args: Any) -> Pending[None]:
-        return self._call("finish", *args)
-
-    def fail(self, failure: RemoteFailure, attempt: int) -> Pending[None]:
-        return self._call("fail", failure, attempt)
-
-    def restored(self, pid: int) -> Pending[tuple[int, int, Any] | None]:
-        return self._call("restored", pid)
-
     def group_of(self, pid: int) -> Pending[CoordinatorLink | None]:
         return _Mapped(self._call("group_of", pid), lambda g: None)
-
-    def stash(self, pid: int, state: bytes) -> Pending[None]:
-        return self._call("stash", pid, state)
-
-    def unstash(self, pid: int) -> Pending[bytes | None]:
-        return self._call("unstash", pid)
-
-    def online_report(self, batch_id: int, partition: int, emissions: Emissions) -> Pending[bool]:
-        return self._call("online_report", batch_id, partition, emissions)

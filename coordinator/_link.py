@@ -107,6 +107,42 @@ class _Mapped(Generic[T]):
         return self._fn(self._inner.result(timeout))
 
 
+class _Forwarding:
+    """The calls every link passes on unchanged to the coordinator's method of the same
+    name: a link only says how a call travels (``_call``), how variables are read
+    (``resolve``) and what a feedback group is on its side (``group_of``)."""
+
+    def _call(self, method: str, *args: Any) -> Pending[Any]:
+        raise NotImplementedError
+
+    def variables(self, known_version: int) -> Pending[VariablesPayload | None]:
+        return self._call("variables", known_version)
+
+    def report(self, *args: Any) -> Pending[Reply]:
+        return self._call("report", *args)
+
+    def checkpoint_state(self, *args: Any) -> Pending[Reply]:
+        return self._call("checkpoint_state", *args)
+
+    def finish(self, *args: Any) -> Pending[None]:
+        return self._call("finish", *args)
+
+    def fail(self, failure: RemoteFailure, attempt: int) -> Pending[None]:
+        return self._call("fail", failure, attempt)
+
+    def restored(self, pid: int) -> Pending[tuple[int, int, Any] | None]:
+        return self._call("restored", pid)
+
+    def stash(self, pid: int, state: bytes) -> Pending[None]:
+        return self._call("stash", pid, state)
+
+    def unstash(self, pid: int) -> Pending[bytes | None]:
+        return self._call("unstash", pid)
+
+    def online_report(self, batch_id: int, partition: int, emissions: Emissions) -> Pending[bool]:
+        return self._call("online_report", batch_id, partition, emissions)
+
+
 # -- Ray ------------------------------------------------------------------------------------
 
 
@@ -127,7 +163,7 @@ class _RayPending(Generic[T]):
         return ray.get(self.ref, timeout=timeout)  # type: ignore[no-any-return]
 
 
-class RayLink:
+class RayLink(_Forwarding):
     """A coordinator (or feedback group) actor reached through Ray. Runs in a Spark task."""
 
     def __init__(self, handle: Any) -> None:
@@ -135,9 +171,6 @@ class RayLink:
 
     def _call(self, method: str, *args: Any) -> _RayPending[Any]:
         return _RayPending(getattr(self.handle, method).remote(*args))
-
-    def variables(self, known_version: int) -> Pending[VariablesPayload | None]:
-        return self._call("variables", known_version)
 
     def resolve(self, payload: VariablesPayload) -> dict[str, Any]:
         def get(refs: list[Any]) -> list[Any]:
@@ -148,32 +181,8 @@ class RayLink:
         (values,) = fetch_all([(payload.inline or {}, payload.ref)], get)
         return dict(values)
 
-    def report(self, *args: Any) -> Pending[Reply]:
-        return self._call("report", *args)
-
-    def checkpoint_state(self, *args: Any) -> Pending[Reply]:
-        return self._call("checkpoint_state", *args)
-
-    def finish(self, *args: Any) -> Pending[None]:
-        return self._call("finish", *args)
-
-    def fail(self, failure: RemoteFailure, attempt: int) -> Pending[None]:
-        return self._call("fail", failure, attempt)
-
-    def restored(self, pid: int) -> Pending[tuple[int, int, Any] | None]:
-        return self._call("restored", pid)
-
     def group_of(self, pid: int) -> Pending[CoordinatorLink | None]:
         return _Mapped(self._call("group_of", pid), lambda g: None if g is None else RayLink(g))
-
-    def stash(self, pid: int, state: bytes) -> Pending[None]:
-        return self._call("stash", pid, state)
-
-    def unstash(self, pid: int) -> Pending[bytes | None]:
-        return self._call("unstash", pid)
-
-    def online_report(self, batch_id: int, partition: int, emissions: Emissions) -> Pending[bool]:
-        return self._call("online_report", batch_id, partition, emissions)
 
 
 # -- in process -----------------------------------------------------------------------------
@@ -192,7 +201,7 @@ class _FuturePending(Generic[T]):
         return self.future.result(timeout)
 
 
-class InProcessLink:
+class InProcessLink(_Forwarding):
     """A coordinator object (``IterationCoordinator`` or ``OnlineCoordinator``, made
     without Ray) whose coroutines run on ``loop``, an asyncio loop another thread of
     this process runs; subtasks call it from their own threads, as Spark tasks call the
@@ -205,29 +214,11 @@ class InProcessLink:
         coro: Coroutine[Any, Any, Any] = getattr(self.coordinator, method)(*args)
         return _FuturePending(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
-    def variables(self, known_version: int) -> Pending[VariablesPayload | None]:
-        return self._call("variables", known_version)
-
     def resolve(self, payload: VariablesPayload) -> dict[str, Any]:
         if payload.ref is not None:
             raise ValueError("an in-process coordinator hands out inline variables only")
         (values,) = fetch_all([(payload.inline or {}, None)], lambda refs: [])
         return dict(values)
-
-    def report(self, *args: Any) -> Pending[Reply]:
-        return self._call("report", *args)
-
-    def checkpoint_state(self, *args: Any) -> Pending[Reply]:
-        return self._call("checkpoint_state", *args)
-
-    def finish(self, *args: Any) -> Pending[None]:
-        return self._call("finish", *args)
-
-    def fail(self, failure: RemoteFailure, attempt: int) -> Pending[None]:
-        return self._call("fail", failure, attempt)
-
-    def restored(self, pid: int) -> Pending[tuple[int, int, Any] | None]:
-        return self._call("restored", pid)
 
     def group_of(self, pid: int) -> Pending[CoordinatorLink | None]:
         def local(group: Any) -> CoordinatorLink | None:
@@ -236,12 +227,3 @@ class InProcessLink:
             return None
 
         return _Mapped(self._call("group_of", pid), local)
-
-    def stash(self, pid: int, state: bytes) -> Pending[None]:
-        return self._call("stash", pid, state)
-
-    def unstash(self, pid: int) -> Pending[bytes | None]:
-        return self._call("unstash", pid)
-
-    def online_report(self, batch_id: int, partition: int, emissions: Emissions) -> Pending[bool]:
-        return self._call("online_report", batch_id, partition, emissions)
