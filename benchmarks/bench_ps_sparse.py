@@ -628,12 +628,20 @@ def run_numpy(data: Data, dim: int, epochs: int, repeats: int) -> tuple[Run, Num
         return {"seconds": seconds, "procs": watch.report()}
 
     got = measure(once, repeats, warmup=0).values
-    run = Run("numpy", dim)
+    return _one_process_run("numpy", dim, data, got, kept["metrics"]), kept["model"]
+
+
+def _one_process_run(
+    name: str, dim: int, data: Data, got: list[dict[str, Any]], metrics: list[Any]
+) -> Run:
+    """A contender that trains in one process: its epochs (medians of the repeats, with
+    the held-out metrics of the first), steady step and pass times; nothing moves."""
+    run = Run(name, dim)
     per_epoch = _median_lists([v["seconds"] for v in got])
     cum = np.cumsum(per_epoch)
     run.epochs = [
         {"epoch": e + 1, "train_s": float(cum[e]), "log_loss": ll, "auc": a}
-        for e, (ll, a) in enumerate(kept["metrics"])
+        for e, (ll, a) in enumerate(metrics)
     ]
     steady = _steady(per_epoch)
     run.ms_per_step = steady / _steps_per_epoch(data) * 1e3
@@ -641,7 +649,7 @@ def run_numpy(data: Data, dim: int, epochs: int, repeats: int) -> tuple[Run, Num
     run.bytes_per_step = 0.0
     run.bytes_how = "one process: nothing moves"
     run.procs = got[0]["procs"]
-    return run, kept["model"]
+    return run
 
 
 def run_sgd(data: Data, dim: int, epochs: int, repeats: int) -> Run:
@@ -681,19 +689,7 @@ def run_sgd(data: Data, dim: int, epochs: int, repeats: int) -> Run:
         return {"seconds": seconds, "procs": watch.report()}
 
     got = measure(once, repeats, warmup=0).values
-    run = Run("sklearn_sgd", dim)
-    per_epoch = _median_lists([v["seconds"] for v in got])
-    cum = np.cumsum(per_epoch)
-    run.epochs = [
-        {"epoch": e + 1, "train_s": float(cum[e]), "log_loss": ll, "auc": a}
-        for e, (ll, a) in enumerate(kept["metrics"])
-    ]
-    steady = _steady(per_epoch)
-    run.ms_per_step = steady / _steps_per_epoch(data) * 1e3
-    run.ms_per_pass = steady * 1e3
-    run.bytes_per_step = 0.0
-    run.bytes_how = "one process: nothing moves"
-    run.procs = got[0]["procs"]
+    run = _one_process_run("sklearn_sgd", dim, data, got, kept["metrics"])
     run.notes.append("per-example SGD: ms_per_step is its epoch time per 2 x 1,024 rows")
     return run
 

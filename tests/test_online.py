@@ -242,7 +242,7 @@ def test_an_unshippable_partition_operator_fails_before_a_coordinator_starts(spa
             hi.IterationBody(Unshippable(), Step()),
             hi.OnlineConfig(name="unshippable"),
         )
-    assert not online_actors()  # it used to launch the coordinator first and leave it
+    assert not online_actors()  # the operator is shipped before a coordinator starts
 
 
 def test_online_config_arguments():

@@ -5,47 +5,11 @@ left running (each case in a process of its own: ``session_start_job.py``)."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
+from fresh_process import run_job
 
 
 def _failed_start(side: str) -> dict:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]),
-        "PYSPARK_PYTHON": sys.executable,
-        "SPARK_LOCAL_IP": "127.0.0.1",
-        "RAY_USAGE_STATS_ENABLED": "0",
-    }
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", f"import sys, session_start_job as j; sys.exit(j.main({side!r}))"],
-        cwd=str(TESTS),
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # on a timeout, whatever it started goes too
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=400)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"the session start did not end in 400 s\n{stderr[-6000:]}")
-    assert proc.returncode == 0, stderr[-6000:]
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
-    assert len(lines) == 1, stdout[-3000:] + stderr[-3000:]
-    return json.loads(lines[0][len("RESULT ") :])
+    return run_job("session_start_job", side, timeout=400)
 
 
 def test_spark_failing_to_start_is_named_and_ray_started_beside_it_is_stopped():

@@ -6,48 +6,11 @@ the suite's shared session has warmed and used its spares long before."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
+from fresh_process import run_job
 
 
 def _job(case: str, extra_env: dict[str, str] | None = None) -> dict:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]),
-        "PYSPARK_PYTHON": sys.executable,
-        "SPARK_LOCAL_IP": "127.0.0.1",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        **(extra_env or {}),
-    }
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", f"import sys, warm_up_job as j; sys.exit(j.main({case!r}))"],
-        cwd=str(TESTS),
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # on a timeout, whatever it started goes too
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{case} did not end in 900 s\n{stderr[-6000:]}")
-    assert proc.returncode == 0, stderr[-6000:]
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
-    assert len(lines) == 1, stdout[-3000:] + stderr[-3000:]
-    return json.loads(lines[0][len("RESULT ") :])
+    return run_job("warm_up_job", case, timeout=900, extra_env=extra_env)
 
 
 def test_fits_during_and_after_the_warm_up_give_the_same_models_bit_for_bit():
