@@ -444,6 +444,12 @@ _WORKER_MODULES = (
 )
 #: what a spare coordinator imports ahead: the coordinator operators of the fits
 _COORDINATOR_MODULES = ("hybrid_iter.ml",)
+#: seconds Spark must have run no job before the warm-up submits its own: its tasks hold
+#: every task slot while they import, and a user's first action right after the session
+#: returns (a cold JVM plans its first query for a second or more) must not queue behind
+#: them. A run of ours does not wait for this (``python_tasks_coming``): its tasks want
+#: exactly those warmed workers.
+_QUIET_BEFORE_WARM_UP = 2.0
 
 
 def _warm_python_worker(
@@ -496,6 +502,8 @@ class _WarmUp:
         self.tag_name = f"hybrid_iter.warm_up.{id(self):x}"
         self._lock = threading.Lock()
         self._stopping = False
+        self._hurried = False
+        self._wake = threading.Event()  # a stop, or a run that wants the workers now
         self._tag: Any = None  # the JobTag of its Spark job, once submitted
         self._done = threading.Event()
         #: what was warmed: ``spare`` and ``store`` (actor names), ``python_workers``
@@ -562,6 +570,7 @@ class _WarmUp:
         from spark_ops import available_task_slots
 
         spark = self.session.spark
+        self._wait_for_quiet_spark(spark)
         n = max(1, available_task_slots(spark))
         schema = T.StructType([T.StructField("pid", T.LongType())])
         fn = functools.partial(_warm_python_worker, self.session.ray_address, _WORKER_MODULES)
@@ -573,6 +582,23 @@ class _WarmUp:
         with tag.on_this_thread("hybrid_iter: warming Python workers"):
             rows = spark.range(0, n, 1, n).mapInArrow(fn, schema).collect()
         self.report["python_workers"] = sorted({int(r.pid) for r in rows})
+
+    def _wait_for_quiet_spark(self, spark: Any) -> None:
+        """Until Spark has run no job for ``_QUIET_BEFORE_WARM_UP`` seconds, a run of ours
+        is about to start tasks (``hurry``), or the session stops."""
+        tracker = spark.sparkContext.statusTracker()
+        quiet_since = time.monotonic()
+        while not (self._stopping or self._hurried):
+            if tracker.getActiveJobsIds():
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= _QUIET_BEFORE_WARM_UP:
+                return
+            self._wake.wait(0.05)  # polling Spark's job list; a stop or hurry wakes it
+
+    def hurry(self) -> None:
+        """A run of this session is about to start Spark tasks: warm its workers now."""
+        self._hurried = True
+        self._wake.set()
 
     def _wait_ready(self, refs: list[Any]) -> None:
         import ray
@@ -594,6 +620,7 @@ class _WarmUp:
         with self._lock:
             self._stopping = True
             tag = self._tag
+        self._wake.set()
         if tag is not None:
             with contextlib.suppress(Exception):
                 tag.cancel()
@@ -1134,6 +1161,12 @@ class Session:
     def _start_warm_up(self) -> None:
         self._warm = _WarmUp(self)
         self._warm.start()
+
+    def _runs_coming(self) -> None:
+        """A run is about to start Spark tasks: its workers are warmed now, not once Spark
+        has been quiet for a while (``_WarmUp.hurry``)."""
+        if self._warm is not None:
+            self._warm.hurry()
 
     def warmed(self, timeout: float | None = None) -> dict[str, Any] | None:
         """Wait for the background warm-up to end and say what it made ready: ``spare``

@@ -39,6 +39,17 @@ def test_the_first_runs_take_the_spare_coordinator_store_and_workers_the_warm_up
     assert got["store_stats"]["writes"] == 1
 
 
+def test_the_warm_up_job_never_takes_task_slots_ahead_of_a_users_first_job():
+    # its tasks hold every slot while they import: a user's first action right after the
+    # session returns goes first; a run of ours starting tasks is what calls it in
+    got = _job("yields")
+    assert got["warm_up_job_before_run"] is False
+    warm = got["warm"]
+    assert warm["errors"] == {}, warm
+    assert len(warm["python_workers"]) == 2
+    assert set(got["iterate_pids"]) <= set(warm["python_workers"])
+
+
 def test_a_session_stopped_while_the_warm_up_runs_stops_cleanly(tmp_path):
     got = _job("closed", {"HYBRID_ITER_TEST_BLOCK_DIR": str(tmp_path)})
     assert got["task_started"] and got["warm_up_running"]  # stopped mid-warm-up

@@ -1,7 +1,9 @@
 """The argument checks both entry points make before any job starts: not inside an
 operator (no nested iterations), a real ``IterationBody``, a non-empty
 ``ReplayableDataStreamList`` (not a bare DataFrame), and initial variables that are
-numeric and finite. ``check_entry`` is the shared part; the bounded entry
+numeric and finite. Once its checks pass, ``check_entry`` also tells the session's
+background warm-up that Spark tasks of a run are coming (``Session._runs_coming``). It is
+the shared part; the bounded entry
 (``iterate._validate``) adds its own checks after it, ``check_online_entry`` adds the
 online ones."""
 
@@ -72,7 +74,13 @@ def check_entry(
             f"{'streaming ' if streaming else ''}DataFrame: "
             f"ReplayableDataStreamList.not_replay({df})"
         )
-    return check_init_variables(init_variables), data_streams
+    variables = check_init_variables(init_variables)
+    from .._session import Session
+
+    session = Session.current()
+    if session is not None:
+        session._runs_coming()
+    return variables, data_streams
 
 
 def check_init_variables(init_variables: Any) -> dict[str, Any]:
