@@ -686,12 +686,34 @@ def test_the_driver_pod_is_sized_for_its_jvm_and_its_ray_node(builds):
 # -- the driver program, run locally ------------------------------------------------------------
 
 
+#: Put on the PYTHONPATH of the local run: in Spark's Python workers only (they alone
+#: get HYBRID_ITER_TEST_EXECUTOR, a spark.executorEnv setting), ``import ray`` fails, as
+#: on an executor pod with no Ray; each such worker notes its pid.
+_NO_RAY_ON_EXECUTORS = """
+import os, sys
+_marks = os.environ.get("HYBRID_ITER_TEST_EXECUTOR")
+if _marks:
+    with open(_marks, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+
+    class _NoRay:
+        def find_spec(self, name, path=None, target=None):
+            if name == "ray" or name.startswith("ray."):
+                raise ImportError("a Spark executor pod has no Ray (test stand-in)")
+            return None
+
+    sys.meta_path.insert(0, _NoRay())
+"""
+
+
 def test_the_driver_program_trains_the_example_over_the_endpoint_on_the_embedded_default(
     builds, tmp_path
 ):
     """driver.py with the Job's own arguments and its container's environment (stand-in
     Secrets), on the embedded default instead of the KubeRay cluster and executor pods:
-    the same EndpointConfig path, bound to loopback; the run must converge."""
+    the same EndpointConfig path, bound to loopback. Spark's Python workers cannot import
+    Ray (as on an executor pod), so the run converges only if its subtasks use the
+    endpoint."""
     docs = builds["spark-k8s"]
     _, conf, program = spark_submit(docs)
     env = driver_env(docs)
@@ -702,10 +724,18 @@ def test_the_driver_program_trains_the_example_over_the_endpoint_on_the_embedded
     env[driver.BIND] = "127.0.0.1:0"
     for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # the embedded Ray makes its own
         env.pop(key)
+    no_ray, spark_conf = tmp_path / "no-ray", tmp_path / "spark-conf"
+    no_ray.mkdir(), spark_conf.mkdir()
+    (no_ray / "sitecustomize.py").write_text(_NO_RAY_ON_EXECUTORS)
+    marks = tmp_path / "executor-workers"
+    (spark_conf / "spark-defaults.conf").write_text(
+        f"spark.executorEnv.HYBRID_ITER_TEST_EXECUTOR {marks}\n"
+    )
     env.update(
         {
             "PATH": os.environ.get("PATH", ""),
-            "PYTHONPATH": str(K8S.parent),
+            "PYTHONPATH": os.pathsep.join([str(no_ray), str(K8S.parent)]),
+            "SPARK_CONF_DIR": str(spark_conf),
             "PYSPARK_PYTHON": sys.executable,
             "SPARK_LOCAL_IP": "127.0.0.1",
             "HOME": str(tmp_path),
@@ -738,6 +768,7 @@ def test_the_driver_program_trains_the_example_over_the_endpoint_on_the_embedded
     )
     assert result["terminated_by"] == "criteria", result
     assert result["max_weight_error"] < 0.05, result
+    assert marks.read_text().split(), "no Spark Python worker ran without Ray"
 
 
 def test_the_driver_program_refuses_bad_endpoint_settings_before_spark_starts():
