@@ -779,3 +779,81 @@ def test_the_driver_program_refuses_bad_endpoint_settings_before_spark_starts():
         driver.endpoint_config({driver.BIND: "no-port"})
     with pytest.raises(hi.IterationConfigError, match="tls_cert and tls_key"):
         driver.endpoint_config({driver.TLS_CERT: __file__})
+
+
+#: Stands in for ``java`` on the PATH: prints its arguments, one JSON list.
+_ECHO_JAVA = """#!/usr/bin/env python3
+import json, sys
+print(json.dumps(sys.argv[1:]))
+"""
+
+
+def test_the_executor_command_starts_sparks_kubernetes_executor_backend(tmp_path):
+    """executor.sh, as the executor pod runs it: the environment Spark gives an executor
+    container becomes the JVM's command line (a stand-in ``java`` prints it)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "java").write_text(_ECHO_JAVA)
+    (bin_dir / "java").chmod(0o755)
+    spark_env = {
+        "SPARK_DRIVER_URL": "spark://CoarseGrainedScheduler@10.1.2.3:7078",
+        "SPARK_EXECUTOR_ID": "3",
+        "SPARK_EXECUTOR_CORES": "2",
+        "SPARK_EXECUTOR_MEMORY": "1g",
+        "SPARK_APPLICATION_ID": "spark-0123",
+        "SPARK_EXECUTOR_POD_IP": "10.1.2.4",
+        "SPARK_RESOURCE_PROFILE_ID": "0",
+        "SPARK_EXECUTOR_POD_NAME": "hybrid-iter-spark-example-exec-3",
+        # out of order, two digits, a value with a space and an '='
+        "SPARK_JAVA_OPT_10": "-Dlast=10",
+        "SPARK_JAVA_OPT_2": "-Dspark.driver.port=7078",
+        "SPARK_JAVA_OPT_0": "-Dmessage=a b",
+    }
+    env = {
+        "PATH": os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), "/usr/bin:/bin"]),
+        "HOME": str(tmp_path),
+        **spark_env,
+    }
+    script = str(COMPONENT / "executor.sh")
+    run = subprocess.run(
+        ["/bin/bash", script, "executor"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    argv = json.loads(run.stdout)
+    import pyspark
+
+    jars = f"{Path(pyspark.__file__).parent}/jars/*"
+    assert argv == [
+        "-Dmessage=a b",
+        "-Dspark.driver.port=7078",
+        "-Dlast=10",
+        "-Xms1g",
+        "-Xmx1g",
+        "-cp",
+        jars,
+        "org.apache.spark.scheduler.cluster.k8s.KubernetesExecutorBackend",
+        "--driver-url",
+        spark_env["SPARK_DRIVER_URL"],
+        "--executor-id",
+        "3",
+        "--cores",
+        "2",
+        "--app-id",
+        "spark-0123",
+        "--hostname",
+        "10.1.2.4",
+        "--resourceProfileId",
+        "0",
+        "--podName",
+        spark_env["SPARK_EXECUTOR_POD_NAME"],
+    ], argv
+    # the jars are there: pyspark ships Spark's Kubernetes backend
+    assert list(Path(jars[:-2]).glob("spark-kubernetes_*.jar")), jars
+    # not an executor's container: a clear refusal naming what is missing
+    del env["SPARK_DRIVER_URL"]
+    run = subprocess.run(
+        ["/bin/bash", script, "executor"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 2 and "SPARK_DRIVER_URL is not set" in run.stderr, run.stderr
+    run = subprocess.run(["/bin/bash", script], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "argument 'executor'" in run.stderr, run.stderr

@@ -21,7 +21,8 @@ for name in SPARK_DRIVER_URL SPARK_EXECUTOR_ID SPARK_EXECUTOR_CORES SPARK_EXECUT
     exit 2
   fi
 done
-spark_home=${SPARK_HOME:-$(find-spark-home)}
+# pyspark's own Spark (its jars include the Kubernetes backend), unless SPARK_HOME says.
+spark_home=${SPARK_HOME:-$(python3 -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))')}
 
 # The JVM options in the order of their index (SPARK_JAVA_OPT_<n>), each one argument.
 java_opts=()
