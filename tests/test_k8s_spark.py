@@ -599,6 +599,13 @@ def test_the_driver_pods_ray_node_and_spark_ports_match_the_cluster_and_its_poli
             if key.endswith("port"):
                 assert flags[key] == value, (name, key)
         assert flags["num-cpus"] == "0" and flags["node-ip-address"] == '"$POD_IP"'
+        # every flag is one `ray start` of the image's Ray takes, and it stays in the
+        # foreground (the sidecar's life is the Ray node's)
+        from ray.scripts.scripts import start
+
+        known = {o for p in start.params for o in p.opts}
+        assert {f"--{flag}" for flag in flags} <= known, {f"--{f}" for f in flags} - known
+        assert "exec ray start --block " in containers(job_pod(docs))["ray-node"]["args"][0]
         assert "resources" not in flags  # not hybrid_iter_head: the coordinator stays there
         assert (
             job_pod(docs).spec["securityContext"]["sysctls"]
