@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ._body import IterationBody, TerminateOnMaxIterOrTol
-from ._config import IterationConfig
+from ._config import EndpointConfig, IterationConfig
 from ._errors import IterationConfigError
 from ._operators import CoordinatorOperator, PartitionOperator
 from ._runtime.iterate import iterate_bounded_streams_until_termination
@@ -96,12 +96,16 @@ def linear_regression(
     noise: float = 0.1,
     seed: int = 7,
     max_weight_error: float = 0.05,
+    endpoint: EndpointConfig | None = None,
 ) -> dict[str, Any]:
     """Train on ``rows`` generated points in ``partitions`` subtasks (``None``: one per
     task slot Spark has).
 
     Stops when the mean squared error is within 5 % of the noise floor (``noise**2``)
-    or after ``max_epochs``. Returns the epochs, the final loss, the largest weight
+    or after ``max_epochs``. ``endpoint``: the subtasks reach the coordinator over its
+    endpoint with these settings (``IterationConfig(transport="endpoint")``: executors
+    without Ray, k8s/components/spark-k8s); None: the session's default transport.
+    Returns the epochs, the final loss, the largest weight
     error and timings; raises ``RuntimeError`` when that error exceeds
     ``max_weight_error``.
     """
@@ -120,6 +124,11 @@ def linear_regression(
     if partitions is None:
         partitions = available_task_slots(session.spark)
     _check_positive("partitions", partitions, integer=True)
+    if endpoint is not None and not isinstance(endpoint, EndpointConfig):
+        raise IterationConfigError(
+            f"linear_regression(endpoint) must be an EndpointConfig or None, got "
+            f"{type(endpoint).__name__}"
+        )
 
     cols = [f"x{j}" for j in range(features)]
     w_true = np.linspace(-1.0, 1.0, features)
@@ -135,7 +144,11 @@ def linear_regression(
         init_variables={"w": np.zeros(features + 1)},
         data_streams=ReplayableDataStreamList.not_replay(DataStream(df, (*cols, "y"))),
         config=IterationConfig(
-            staleness=0, parallelism=partitions, name="example-linear-regression"
+            staleness=0,
+            parallelism=partitions,
+            name="example-linear-regression",
+            transport="auto" if endpoint is None else "endpoint",
+            endpoint=endpoint,
         ),
         body=IterationBody(
             partition=_Gradient(cols),

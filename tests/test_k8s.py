@@ -59,6 +59,9 @@ BUILDS = {
     # the same with the Ray TLS components (k8s/components/ray-tls*)
     "laptop-tls": K8S / "overlays" / "laptop-tls",
     "production-tls": K8S / "overlays" / "production-tls",
+    # the laptop build with Spark on Kubernetes beside it (k8s/components/spark-k8s*)
+    "spark-k8s": K8S / "overlays" / "spark-k8s",
+    "spark-k8s-endpoint-tls": K8S / "overlays" / "spark-k8s-endpoint-tls",
 }
 #: The KubeRay CRDs, shipped with the tests (tests/data/k8s-crds/README.md: source, license).
 CRDS = Path(os.environ.get("HYBRID_ITER_KUBERAY_CRDS", ROOT / "tests" / "data" / "k8s-crds"))
@@ -113,6 +116,14 @@ AUTOSCALER_RULES = {
     ("", "pods"): {"get", "list", "watch", "patch"},
     ("", "pods/resize"): {"patch"},
     ("ray.io", "rayclusters"): {"get", "patch"},
+}
+#: What the Spark driver's account may do (k8s/components/spark-k8s/rbac.yaml): create,
+#: watch and delete its executor pods (and patch them: Spark labels executors it has
+#: given up), and the ConfigMap Spark makes for the executors' configuration.
+SPARK_DRIVER_ACCOUNT = "hybrid-iter-spark-driver"
+SPARK_DRIVER_RULES = {
+    ("", "pods"): {"get", "list", "watch", "create", "patch", "delete", "deletecollection"},
+    ("", "configmaps"): {"get", "list", "create", "delete", "deletecollection"},
 }
 #: Secrets the user creates (k8s/README.md, "Secrets") and KubeRay's token Secret.
 CHECKPOINT_KEY_SECRET = "hybrid-iter-checkpoint-key"
@@ -228,7 +239,13 @@ def is_production(name: str) -> bool:
 
 
 def has_tls(name: str) -> bool:
-    return name.endswith("-tls")
+    """A build with Ray's TLS (k8s/components/ray-tls)."""
+    return name.endswith("-tls") and not is_spark(name)
+
+
+def is_spark(name: str) -> bool:
+    """A build with Spark on Kubernetes beside the Ray cluster (k8s/components/spark-k8s)."""
+    return name.startswith("spark-k8s")
 
 
 def quantity(text: str | int | float) -> float:
@@ -249,6 +266,11 @@ def test_every_build_renders_the_whole_stack_in_its_own_namespace(builds):
             expected += ["NetworkPolicy", "Role", "RoleBinding"]
         if has_tls(name):
             expected += ["ConfigMap"]  # the certificate script (k8s/components/ray-tls)
+        if is_spark(name):
+            # the driver Job, its account and Role, the endpoint's Service, the driver
+            # program and executor pod template, the policies of k8s/components/spark-k8s
+            expected += ["Job", "ServiceAccount", "Role", "RoleBinding", "Service"]
+            expected += ["ConfigMap", *["NetworkPolicy"] * 7]
         assert kinds == sorted(expected), (name, kinds)
         namespace = one(docs, "Namespace")["metadata"]["name"]
         assert namespace not in ("default", "kube-system")
@@ -517,25 +539,31 @@ def test_rbac_is_least_privilege(builds):
         assert all(sa["automountServiceAccountToken"] is False for sa in accounts.values())
         rc = one(docs, "RayCluster")["spec"]
         autoscaling = bool(rc.get("enableInTreeAutoscaling"))
-        roles = {r["metadata"]["name"]: r for r in of_kind(docs, "Role")}
-        for role in roles.values():
-            for rule in role["rules"]:
-                for group in rule["apiGroups"]:
-                    for resource in rule["resources"]:
-                        allowed = AUTOSCALER_RULES.get((group, resource), set())
-                        assert set(rule["verbs"]) <= allowed, (name, group, resource, rule)
-        bound = set()
-        for rb in of_kind(docs, "RoleBinding"):
-            assert rb["roleRef"]["kind"] == "Role" and rb["roleRef"]["name"] in roles
-            for subject in rb["subjects"]:
-                assert subject["kind"] == "ServiceAccount" and subject["name"] in accounts
-                assert subject["namespace"] == namespace
-                bound.add(subject["name"])
         pods = pod_templates(docs)
         by_role = {p.role: p for p in pods}
         head_sa = by_role["head"].spec["serviceAccountName"]
-        # Only the head's account is ever bound, and only when its autoscaler needs it.
-        assert bound == ({head_sa} if autoscaling else set()), name
+        #: the most each bound account's Role may grant: the head's, the autoscaler's
+        #: Role; the Spark driver's, what Spark needs for its executor pods
+        ceiling = {head_sa: AUTOSCALER_RULES, SPARK_DRIVER_ACCOUNT: SPARK_DRIVER_RULES}
+        roles = {r["metadata"]["name"]: r for r in of_kind(docs, "Role")}
+        bound = set()
+        for rb in of_kind(docs, "RoleBinding"):
+            assert rb["roleRef"]["kind"] == "Role" and rb["roleRef"]["name"] in roles
+            (subject,) = rb["subjects"]  # one account per binding
+            assert subject["kind"] == "ServiceAccount" and subject["name"] in accounts
+            assert subject["namespace"] == namespace
+            bound.add(subject["name"])
+            for rule in roles[rb["roleRef"]["name"]]["rules"]:
+                for group in rule["apiGroups"]:
+                    for resource in rule["resources"]:
+                        allowed = ceiling[subject["name"]].get((group, resource), set())
+                        assert set(rule["verbs"]) <= allowed, (name, group, resource, rule)
+        # Only the head's account, when its autoscaler needs it, and the Spark driver's
+        # are ever bound.
+        expected = {head_sa} if autoscaling else set()
+        if is_spark(name):
+            expected.add(SPARK_DRIVER_ACCOUNT)
+        assert bound == expected, name
         for pod in pods:
             sa = pod.spec["serviceAccountName"]
             assert sa in accounts, (name, pod.role)
@@ -544,6 +572,7 @@ def test_rbac_is_least_privilege(builds):
             assert pod.spec["automountServiceAccountToken"] is False, (name, pod.role)
             if pod.role != "head":
                 assert sa != head_sa, f"{name}: {pod.role} shares the head's account"
+            assert sa != SPARK_DRIVER_ACCOUNT, f"{name}: {pod.role} shares the driver's account"
 
 
 def _token_volumes(pod: PodTemplate) -> dict[str, dict[str, Any]]:
