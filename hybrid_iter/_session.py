@@ -487,6 +487,10 @@ def _coordinator_kind() -> Any:
     )
 
 
+def _active_jobs(spark: Any) -> list[int]:
+    return list(spark.sparkContext.statusTracker().getActiveJobsIds())
+
+
 class _WarmUp:
     """What every run of a session needs, made ready in a thread of the session once
     Spark and Ray are up (DESIGN.md section 8): a spare coordinator, the array store,
@@ -504,6 +508,9 @@ class _WarmUp:
         self._stopping = False
         self._hurried = False
         self._wake = threading.Event()  # a stop, or a run that wants the workers now
+        #: Spark jobs that run for the session's whole life (Ray on Spark's nodes are the
+        #: tasks of one): running before the session returned, they are not a user's
+        self._background_jobs = set(_active_jobs(session.spark))
         self._tag: Any = None  # the JobTag of its Spark job, once submitted
         self._done = threading.Event()
         #: what was warmed: ``spare`` and ``store`` (actor names), ``python_workers``
@@ -584,12 +591,11 @@ class _WarmUp:
         self.report["python_workers"] = sorted({int(r.pid) for r in rows})
 
     def _wait_for_quiet_spark(self, spark: Any) -> None:
-        """Until Spark has run no job for ``_QUIET_BEFORE_WARM_UP`` seconds, a run of ours
-        is about to start tasks (``hurry``), or the session stops."""
-        tracker = spark.sparkContext.statusTracker()
+        """Until Spark has run no job but the background ones for ``_QUIET_BEFORE_WARM_UP``
+        seconds, a run of ours is about to start tasks (``hurry``), or the session stops."""
         quiet_since = time.monotonic()
         while not (self._stopping or self._hurried):
-            if tracker.getActiveJobsIds():
+            if set(_active_jobs(spark)) - self._background_jobs:
                 quiet_since = time.monotonic()
             elif time.monotonic() - quiet_since >= _QUIET_BEFORE_WARM_UP:
                 return

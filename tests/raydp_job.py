@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     with session:
         start_seconds = time.perf_counter() - t0
+        warmed = session.warmed(600)
         spark = session.spark
         sc = spark.sparkContext
         conf = dict(sc.getConf().getAll())
@@ -263,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows": list(result.rows),
             "summary": result.summary(),
             "listening": listening,
+            "warmed": warmed,
         }
     left = _left_after_stop()
     w_ref, loss_ref = numpy_gradient_descent(X, y, args.lr, args.epochs)

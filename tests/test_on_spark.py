@@ -293,6 +293,13 @@ def test_a_barrier_stage_wider_than_the_free_slots_is_refused_before_any_job(job
     assert wide["jobs"] == 0
 
 
+def test_the_warm_up_readies_a_spare_the_store_and_the_executors_python_workers(job):
+    warmed = job["warmed"]
+    assert warmed["errors"] == {}, warmed
+    assert warmed["spare"] is not None and warmed["store"] is not None
+    assert len(warmed["python_workers"]) == job["session"]["task_slots"]
+
+
 def test_a_sync_iteration_equals_numpy_with_its_subtasks_in_the_executors(job):
     it = job["iteration"]
     assert it["epochs"] == EPOCHS and it["num_partitions"] == EXECUTORS * CORES - EXECUTORS

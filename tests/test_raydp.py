@@ -110,6 +110,13 @@ def test_sync_linear_regression_matches_numpy(job):
     np.testing.assert_allclose(job["variables_w"], [1, 2, 3, 4], atol=0.05)
 
 
+def test_the_warm_up_readies_a_spare_the_store_and_a_python_worker_per_executor_slot(job):
+    warmed = job["warmed"]
+    assert warmed["errors"] == {}, warmed
+    assert warmed["spare"] is not None and warmed["store"] is not None
+    assert len(warmed["python_workers"]) == job["task_slots"]
+
+
 def test_python_workers_run_this_interpreter(job):
     workers = job["workers"]
     assert sorted(w[0] for w in workers) == list(range(PARTITIONS))
