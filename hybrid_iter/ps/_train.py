@@ -43,7 +43,7 @@ from coordinator._tables import TableSpec
 from coordinator._variables import INLINE_LIMIT
 
 from .._body import IterationBody
-from .._config import CheckpointConfig, EndpointConfig, IterationConfig
+from .._config import TRANSPORTS, CheckpointConfig, EndpointConfig, IterationConfig
 from .._errors import (
     IterationConfigError,
     IterationFailedError,
@@ -503,6 +503,15 @@ def train(
     check_int("ps.train", "seed", seed, minimum=0)
     check_int("ps.train", "parallelism", parallelism, minimum=1, optional=True)
     check_progress("ps.train", progress)
+    if transport not in TRANSPORTS:
+        raise IterationConfigError(
+            f"ps.train(transport=...) must be one of {TRANSPORTS}, got {transport!r}"
+        )
+    if endpoint is not None and not isinstance(endpoint, EndpointConfig):
+        raise IterationConfigError(
+            f"ps.train(endpoint=...) must be a hybrid_iter.EndpointConfig(...), got "
+            f"{type(endpoint).__name__}"
+        )
     if checkpoint is not None and not isinstance(checkpoint, CheckpointConfig):
         raise IterationConfigError(
             f"ps.train(checkpoint=...) must be a hybrid_iter.CheckpointConfig(path, ...), got "
