@@ -168,8 +168,8 @@ class RayShards:
         return fetch_all(list(parts), ray.get)
 
 
-#: this process's clients of shard endpoints, by (location, token): a Spark Python
-#: worker runs its tasks one after the other, each dials the shards it already knows
+#: this process's clients of shard endpoints, by (location, token): the tasks a Spark
+#: Python worker runs one after the other reuse the connections of their run
 _CLIENTS: dict[tuple[str, str], Any] = {}
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _LOCK = threading.Lock()
@@ -192,6 +192,10 @@ class FlightShards:
             if client is None:
                 client = ShardClient(a)  # checks the address, the token, the version
                 with _LOCK:
+                    # a Python worker runs one task at a time: another run's clients
+                    # (another token) are closed rather than kept for good
+                    for old in [k for k in _CLIENTS if k[1] != a.token]:
+                        _CLIENTS.pop(old).close()
                     _CLIENTS[key] = client
             self.clients.append(client)
 
