@@ -61,6 +61,8 @@ __all__ = [
     "EndpointServing",
     "EndpointSpec",
     "FlightLink",
+    "FlightServing",
+    "handshake",
 ]
 
 #: the version of what travels over the endpoint; a client and a coordinator of
@@ -177,12 +179,13 @@ def _header(headers: Mapping[str, list[Any]], name: str) -> str | None:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-class EndpointServer(flight.FlightServerBase):  # type: ignore[misc]
-    """Serves ``coordinator`` (whose coroutines run on ``loop``) to subtasks."""
+class FlightServing(flight.FlightServerBase):  # type: ignore[misc]
+    """A Flight server on ``spec``: bound where it is told, TLS when given a certificate,
+    every call refused without the token or of another protocol version (``_AuthFactory``);
+    ``location`` is what clients dial, ``id`` names this server's life. The coordinator's
+    endpoint and the parameter shards' (``coordinator._ps_endpoint``) are both one."""
 
-    def __init__(
-        self, coordinator: Any, loop: asyncio.AbstractEventLoop, spec: EndpointSpec
-    ) -> None:
+    def __init__(self, spec: EndpointSpec) -> None:
         host, port = _split(spec.bind, "the endpoint's bind address")
         tls = spec.tls_cert is not None
         scheme = "grpc+tls" if tls else "grpc+tcp"
@@ -191,10 +194,19 @@ class EndpointServer(flight.FlightServerBase):  # type: ignore[misc]
             tls_certificates=[(spec.tls_cert, spec.tls_key)] if tls else None,
             middleware={"auth": _AuthFactory(spec.token)},
         )
-        self.coordinator, self.loop = coordinator, loop
         self.id = uuid.uuid4().hex
         advertise = spec.advertise or f"{host}:{self.port}"
         self.location = f"{scheme}://{advertise}"
+
+
+class EndpointServer(FlightServing):
+    """Serves ``coordinator`` (whose coroutines run on ``loop``) to subtasks."""
+
+    def __init__(
+        self, coordinator: Any, loop: asyncio.AbstractEventLoop, spec: EndpointSpec
+    ) -> None:
+        super().__init__(spec)
+        self.coordinator, self.loop = coordinator, loop
         self._versions: dict[int, tuple[EndpointRef, dict[str, np.ndarray]]] = {}
         self._lock = threading.Lock()
 
@@ -395,6 +407,53 @@ class _VersionCache:
 VERSIONS = _VersionCache()
 
 
+def handshake(
+    client: Any,
+    address: EndpointAddress,
+    headers: list[tuple[bytes, bytes]],
+    protocol: int = PROTOCOL_VERSION,
+    what: str = "the coordinator endpoint",
+    running: str = "the coordinator",
+) -> str:
+    """The first call of a client of ``what`` at ``address``, bounded by its
+    ``connect_timeout``: the address, the token and the protocol version are checked
+    here, each failure named with the fix; returns the server's id."""
+    where = address.address
+    timeout = address.connect_timeout
+    options = flight.FlightCallOptions(timeout=timeout, headers=headers)
+    try:
+        (result,) = list(client.do_action(flight.Action("hello", b""), options))
+    except flight.FlightUnauthenticatedError:
+        raise EndpointAuthError(
+            f"{what} at {where} refused this subtask's token: the "
+            f"task plan's token is not the one the coordinator serves with. Use the "
+            f"same EndpointConfig(token=...) (or HYBRID_ITER_ENDPOINT_TOKEN) for the "
+            f"driver and the coordinator; without one, each run makes its own"
+        ) from None
+    except flight.FlightServerError as ex:
+        if "protocol version mismatch" in str(ex):
+            raise EndpointVersionMismatch(
+                f"{what} at {where} refused this subtask's protocol "
+                f"version ({str(ex).splitlines()[0]}): install the same hybrid_iter on "
+                f"the executors as on the driver and the Ray cluster"
+            ) from None
+        raise EndpointError(f"{what} at {where} failed: {ex}") from None
+    except (flight.FlightUnavailableError, flight.FlightTimedOutError) as ex:
+        raise EndpointError(
+            f"{what} at {where} cannot be reached within "
+            f"{timeout:g} s ({type(ex).__name__}: {str(ex).splitlines()[0]}): check "
+            f"that the executors can reach that host and port (EndpointConfig(bind=..., "
+            f"advertise=...), a firewall or NetworkPolicy, TLS on both sides or "
+            f"neither), and that {running} is running"
+        ) from None
+    version, server_id = cloudpickle.loads(result.body.to_pybytes())
+    if version != protocol:  # pragma: no cover - the middleware refuses first
+        raise EndpointVersionMismatch(
+            f"{what} at {where} speaks protocol version {version}, this subtask version {protocol}"
+        )
+    return str(server_id)
+
+
 class FlightLink(_Forwarding):
     """The coordinator reached through its endpoint. Runs in a Spark task, without Ray.
 
@@ -419,40 +478,9 @@ class FlightLink(_Forwarding):
     def _hello(self) -> None:
         """The first call, bounded by ``connect_timeout``: the address, the token and the
         protocol version are checked here, each failure named."""
-        where = self.address.address
-        timeout = self.address.connect_timeout
-        options = flight.FlightCallOptions(timeout=timeout, headers=self._options.headers)
-        try:
-            (result,) = list(self._client.do_action(flight.Action("hello", b""), options))
-        except flight.FlightUnauthenticatedError:
-            raise EndpointAuthError(
-                f"the coordinator endpoint at {where} refused this subtask's token: the "
-                f"task plan's token is not the one the coordinator serves with. Use the "
-                f"same EndpointConfig(token=...) (or HYBRID_ITER_ENDPOINT_TOKEN) for the "
-                f"driver and the coordinator; without one, each run makes its own"
-            ) from None
-        except flight.FlightServerError as ex:
-            if "protocol version mismatch" in str(ex):
-                raise EndpointVersionMismatch(
-                    f"the coordinator endpoint at {where} refused this subtask's protocol "
-                    f"version ({str(ex).splitlines()[0]}): install the same hybrid_iter on "
-                    f"the executors as on the driver and the Ray cluster"
-                ) from None
-            raise EndpointError(f"the coordinator endpoint at {where} failed: {ex}") from None
-        except (flight.FlightUnavailableError, flight.FlightTimedOutError) as ex:
-            raise EndpointError(
-                f"the coordinator endpoint at {where} cannot be reached within "
-                f"{timeout:g} s ({type(ex).__name__}: {str(ex).splitlines()[0]}): check "
-                f"that the executors can reach that host and port (EndpointConfig(bind=..., "
-                f"advertise=...), a firewall or NetworkPolicy, TLS on both sides or "
-                f"neither), and that the coordinator is running"
-            ) from None
-        version, self.server_id = cloudpickle.loads(result.body.to_pybytes())
-        if version != self._protocol:  # pragma: no cover - the middleware refuses first
-            raise EndpointVersionMismatch(
-                f"the coordinator endpoint at {where} speaks protocol version {version}, "
-                f"this subtask version {self._protocol}"
-            )
+        self.server_id = handshake(
+            self._client, self.address, self._options.headers, self._protocol
+        )
 
     def _do(self, method: str, args: tuple[Any, ...]) -> Any:
         body = cloudpickle.dumps(args, protocol=5)

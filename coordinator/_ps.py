@@ -62,6 +62,7 @@ from ._errors import (
     UsageError,
 )
 from ._finite import first_nonfinite
+from ._ps_endpoint import ShardServing
 from ._rules import AdagradRule, AdamRule, FTRLRule, SGDRule, _Scratch, make_rule
 from ._shell import was_reconstructed
 from ._table_io import read_part, write_part
@@ -138,6 +139,7 @@ class _ShardCore:
             "restores": 0,
             "gate_waits": 0,
             "max_lead": 0,
+            "endpoint_calls": 0,
         }
         self._fresh()
         # a shard Ray restarted after its process died holds nothing of the run: no
@@ -808,7 +810,21 @@ class FreeShard(_ShardCore):
         return self._current()
 
 
-def shard_class(sync: bool, staleness_steps: int | None = None) -> type[_ShardCore]:
+class ServedParameterShard(ShardServing, ParameterShard):
+    """``ParameterShard`` that also serves its own endpoint (``serve_endpoint``)."""
+
+
+class ServedFreeShard(ShardServing, FreeShard):
+    """``FreeShard`` that also serves its own endpoint: an asyncio actor (its
+    ``serve_endpoint`` is a coroutine), so Ray's calls and the endpoint's all run on its
+    one event loop, one at a time, as the plain actor runs them."""
+
+
+def shard_class(
+    sync: bool, staleness_steps: int | None = None, *, served: bool = False
+) -> type[_ShardCore]:
     """The actor class of a shard: asyncio where calls wait (sync mode, or async with a
-    step staleness bound), plain for async."""
-    return ParameterShard if sync or staleness_steps is not None else FreeShard
+    step staleness bound), plain for async; ``served``: serving its own endpoint."""
+    if sync or staleness_steps is not None:
+        return ServedParameterShard if served else ParameterShard
+    return ServedFreeShard if served else FreeShard

@@ -298,6 +298,8 @@ def _ok(params, batch):
         ({"columns": ["name"]}, "not numeric"),
         ({"progress": 1}, "progress"),
         ({"df": [1]}, "pyspark.sql.DataFrame"),
+        ({"transport": "grpc"}, "ps.train(transport=...) must be one of"),
+        ({"endpoint": "host:1"}, "ps.train(endpoint=...) must be a hybrid_iter.EndpointConfig"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_starts(spark, regression, kwargs, message):

@@ -10,18 +10,28 @@ rows of this step and the ids of the next (whose rows the reply brings).
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from coordinator._tables import shard_of
 from coordinator._variables import fetch_all
 
-from .._errors import HybridIterError, ShardLost, ShardsUnavailable
+from .._errors import EndpointError, HybridIterError, ShardLost, ShardsUnavailable
 
-__all__ = ["Shards", "StepKeys", "TablePlan", "step_keys"]
+__all__ = [
+    "FlightShards",
+    "RayShards",
+    "ShardLinks",
+    "Shards",
+    "StepKeys",
+    "TablePlan",
+    "step_keys",
+]
 
 
 @dataclass(frozen=True)
@@ -111,56 +121,32 @@ def step_keys(plan: TablePlan, ids: Mapping[str, np.ndarray], num_shards: int) -
     return StepKeys(uniq, positions, order, cuts)
 
 
-class Shards:
-    """A task's handles to every shard, and the calls of a step.
+class ShardLinks(Protocol):
+    """How a task reaches every shard of a run: one call per shard, all at once."""
 
-    Dense parameters are key ranges ``bounds`` of one flat vector; tables (``plan``) are
-    hash-partitioned. ``token`` fences calls (``coordinator._ps``); it is read from the
-    shards when the client is made, after the run's coordinator set it."""
+    def call(self, method: str, args: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """``method(*args[i])`` on shard ``i`` for every shard, concurrently; their
+        replies in shard order. A shard's refusal is raised as itself; a shard whose
+        process ended raises ``ShardLost``."""
+        ...
 
-    def __init__(
-        self,
-        names: Sequence[str],
-        bounds: Sequence[int],
-        dtype: str,
-        *,
-        sync: bool = True,
-        plan: TablePlan | None = None,
-        handles: Sequence[Any] | None = None,
-        token: str | None = None,
-    ) -> None:
-        import ray
+    def dense(self, parts: Sequence[tuple[Any, Any]]) -> list[np.ndarray]:
+        """The dense values of replies' ``(inline, reference)`` pairs (read-only)."""
+        ...
 
-        from .._runtime.ray_util import NAMESPACE
 
-        self.names = list(names)
-        # Any, like start_shards' handles: ray types get_actor's handle as of no class
-        self.handles: list[Any] = (
-            list(handles)
-            if handles is not None
-            else [ray.get_actor(n, namespace=NAMESPACE) for n in names]
-        )
-        self.bounds = list(bounds)
-        self.dtype = np.dtype(dtype)
-        self.buffer: np.ndarray | None = None
-        self.sync = sync
-        self.plan = plan
-        if token is None:
-            tokens = {t for t, _, _ in self._get([h.hello.remote() for h in self.handles])}
-            if len(tokens) != 1 or None in tokens:
-                raise ShardsUnavailable(
-                    "the parameter shards are not ready for this task (a shard was "
-                    "restarted and not restored yet, or they disagree on the launch): "
-                    f"tokens {sorted(map(str, tokens))}"
-                )
-            token = tokens.pop()
-        self.token = token
+class RayShards:
+    """The shard actors reached through Ray (a raylet on this task's host)."""
 
-    @property
-    def dense_size(self) -> int:
-        return self.bounds[-1]
+    def __init__(self, handles: Sequence[Any]) -> None:
+        self.handles = list(handles)
 
-    def _get(self, calls: list[Any]) -> list[Any]:
+    def call(self, method: str, args: Sequence[tuple[Any, ...]]) -> list[Any]:
+        return self.get([getattr(h, method).remote(*a) for h, a in zip(self.handles, args)])
+
+    @staticmethod
+    def get(calls: list[Any]) -> list[Any]:
+        """The replies of shard calls made through Ray, errors as ``call`` raises them."""
         import ray
 
         try:
@@ -175,13 +161,147 @@ class Shards:
                 f"{str(ex).splitlines()[0]}"
             ) from ex
 
-    def _assemble(self, replies: list[Any]) -> np.ndarray:
+    def dense(self, parts: Sequence[tuple[Any, Any]]) -> list[np.ndarray]:
         import ray
 
+        # one round trip for every shard's object-store reference
+        return fetch_all(list(parts), ray.get)
+
+
+#: this process's clients of shard endpoints, by (location, token): the tasks a Spark
+#: Python worker runs one after the other reuse the connections of their run
+_CLIENTS: dict[tuple[str, str], Any] = {}
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_LOCK = threading.Lock()
+
+
+class FlightShards:
+    """The shards reached through their own endpoints (``coordinator._ps_endpoint``):
+    nothing of Ray in this task. A call to several shards runs on a small thread pool,
+    one thread per shard, so a step costs one round trip however many shards."""
+
+    def __init__(self, addresses: Sequence[Any]) -> None:
+        from coordinator._ps_endpoint import ShardClient
+
+        self.addresses = list(addresses)
+        self.clients = []
+        for a in self.addresses:
+            key = (a.location, a.token)
+            with _LOCK:
+                client = _CLIENTS.get(key)
+            if client is None:
+                client = ShardClient(a)  # checks the address, the token, the version
+                with _LOCK:
+                    # a Python worker runs one task at a time: another run's clients
+                    # (another token) are closed rather than kept for good
+                    for old in [k for k in _CLIENTS if k[1] != a.token]:
+                        _CLIENTS.pop(old).close()
+                    _CLIENTS[key] = client
+            self.clients.append(client)
+
+    def _one(self, j: int, method: str, args: tuple[Any, ...]) -> Any:
+        try:
+            return self.clients[j].call(method, *args)
+        except EndpointError as ex:  # on the way: not a refusal of the shard
+            raise ShardLost(
+                f"parameter shard {j} cannot be called any more (its process ended, or it "
+                f"is no longer reachable): {ex}"
+            ) from ex
+
+    def call(self, method: str, args: Sequence[tuple[Any, ...]]) -> list[Any]:
+        global _POOL
+
+        if len(self.clients) == 1:
+            return [self._one(0, method, args[0])]
+        with _LOCK:
+            if _POOL is None:
+                _POOL = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="hi-shards")
+            pool = _POOL
+        futures = [pool.submit(self._one, j, method, a) for j, a in enumerate(args)]
+        return [f.result() for f in futures]
+
+    def dense(self, parts: Sequence[tuple[Any, Any]]) -> list[np.ndarray]:
+        out = []
+        for inline, ref in parts:
+            if ref is not None or inline is None:
+                raise ShardsUnavailable(
+                    "a parameter shard answered with an object-store reference over the "
+                    "endpoint (it was not started to serve one)"
+                )
+            out.append(inline)
+        return out
+
+
+class Shards:
+    """A task's links to every shard, and the calls of a step.
+
+    Dense parameters are key ranges ``bounds`` of one flat vector; tables (``plan``) are
+    hash-partitioned. ``token`` fences calls (``coordinator._ps``); it is read from the
+    shards when the client is made, after the run's coordinator set it. The shards are
+    reached through their endpoints when ``endpoints`` (one ``EndpointAddress`` per
+    shard) is given, else through Ray (``handles``, or found by ``names``)."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        bounds: Sequence[int],
+        dtype: str,
+        *,
+        sync: bool = True,
+        plan: TablePlan | None = None,
+        handles: Sequence[Any] | None = None,
+        token: str | None = None,
+        endpoints: Sequence[Any] | None = None,
+    ) -> None:
+        self.names = list(names)
+        self.link: ShardLinks
+        if endpoints is not None:
+            self.link = FlightShards(endpoints)
+            self.handles: list[Any] = []
+        else:
+            if handles is None:
+                import ray
+
+                from .._runtime.ray_util import NAMESPACE
+
+                handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
+            # Any, like start_shards' handles: ray types get_actor's handle as of no class
+            self.handles = list(handles)
+            self.link = RayShards(self.handles)
+        self.bounds = list(bounds)
+        self.dtype = np.dtype(dtype)
+        self.buffer: np.ndarray | None = None
+        self.sync = sync
+        self.plan = plan
+        if token is None:
+            hello = "shard_hello" if endpoints is not None else "hello"
+            replies = self.link.call(hello, [()] * len(self.names))
+            tokens = {t for t, _, _ in replies}
+            if len(tokens) != 1 or None in tokens:
+                raise ShardsUnavailable(
+                    "the parameter shards are not ready for this task (a shard was "
+                    "restarted and not restored yet, or they disagree on the launch): "
+                    f"tokens {sorted(map(str, tokens))}"
+                )
+            token = tokens.pop()
+        self.token = token
+
+    def _get(self, calls: list[Any]) -> list[Any]:
+        """The replies of calls made through Ray on ``handles`` (the driver's model)."""
+        return RayShards.get(calls)
+
+    @property
+    def n(self) -> int:
+        return len(self.names)
+
+    @property
+    def dense_size(self) -> int:
+        return self.bounds[-1]
+
+    def _assemble(self, replies: list[Any]) -> np.ndarray:
         if self.dense_size == 0:
             return np.zeros(0, dtype=self.dtype)
-        # one round trip for every shard's object-store reference
-        parts = fetch_all([(r[1], r[2]) for r in replies], ray.get)
+        parts = self.link.dense([(r[1], r[2]) for r in replies])
         if len(parts) == 1:
             flat = parts[0]
         else:
@@ -209,17 +329,13 @@ class Shards:
         """The dense parameters before step ``(epoch, step)`` (sync; async: the newest);
         with ``keys``, ``(dense, table values)``, the rows remembered for ``pid``."""
         if keys is None:
-            if self.sync:
-                calls = [h.pull.remote(epoch, step, self.token) for h in self.handles]
-            else:
-                calls = [h.pull.remote(0, 0, self.token) for h in self.handles]
-            return self._assemble(self._get(calls))
+            at = (epoch, step) if self.sync else (0, 0)
+            return self._assemble(self.link.call("pull", [(*at, self.token)] * self.n))
         assert self.plan is not None
         calls = [
-            h.pull.remote(epoch, step, self.token, pid, keys.for_shard(self.plan, j))
-            for j, h in enumerate(self.handles)
+            (epoch, step, self.token, pid, keys.for_shard(self.plan, j)) for j in range(self.n)
         ]
-        replies = self._get(calls)
+        replies = self.link.call("pull", calls)
         return self._assemble(replies), self._tables(replies, keys)
 
     def push(
@@ -246,7 +362,7 @@ class Shards:
             idx, vals = grad
             cuts = np.searchsorted(idx, self.bounds)
         tables = self.plan is not None and (table_grads is not None or next_keys is not None)
-        for j, (h, (lo, hi)) in enumerate(zip(self.handles, lo_hi)):
+        for j, (lo, hi) in enumerate(lo_hi):
             if grad is None or (hi == lo and not isinstance(grad, tuple)):
                 part: Any = None
             elif isinstance(grad, tuple):
@@ -266,8 +382,8 @@ class Shards:
                     )
                 nk = next_keys.for_shard(self.plan, j) if next_keys is not None else None
                 msg = (pid, epoch, step, part, rows, last, not last, self.token, tparts, nk, span)
-            calls.append(h.push_packed.remote(msg))
-        replies = self._get(calls)
+            calls.append((msg,))
+        replies = self.link.call("push_packed", calls)
         if last:
             return None
         if tables and next_keys is not None:
@@ -281,12 +397,9 @@ class Shards:
         key reads as its initializer's value); sync: once step ``(epoch, step)`` is
         reached."""
         assert self.plan is not None
-        calls = [
-            h.lookup_at.remote(self.token, keys.for_shard(self.plan, j), epoch, step)
-            for j, h in enumerate(self.handles)
-        ]
-        replies = self._get(calls)
+        calls = [(self.token, keys.for_shard(self.plan, j), epoch, step) for j in range(self.n)]
+        replies = self.link.call("lookup_at", calls)
         return self._assemble(replies), self._tables(replies, keys)
 
     def retire(self, pid: int) -> None:
-        self._get([h.retire.remote(pid) for h in self.handles])
+        self.link.call("retire", [(pid,)] * self.n)

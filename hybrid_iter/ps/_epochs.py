@@ -28,6 +28,7 @@ import math
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,10 +39,28 @@ from .._operators import CoordinatorOperator
 from ..ml._sgd import DIVERGENCE_PATIENCE, LossWatch
 from ._optim import Optimizer
 
-__all__ = ["HOT_TOP", "METRICS", "RESTART_WAIT", "Epochs", "auc", "hot_keys", "log_loss"]
+__all__ = [
+    "HOT_TOP",
+    "METRICS",
+    "RESTART_WAIT",
+    "Epochs",
+    "ShardServingPlan",
+    "auc",
+    "hot_keys",
+    "log_loss",
+]
 
 #: seconds the coordinator keeps asking a shard Ray is restarting
 RESTART_WAIT = 120.0
+
+
+@dataclass(frozen=True)
+class ShardServingPlan:
+    """Over the endpoint: what each shard serves with (``EndpointSpec``, bound to the
+    port it first served on) and the location the tasks dial."""
+
+    specs: tuple[Any, ...]
+    locations: tuple[str, ...]
 
 
 def log_loss(p: np.ndarray, y: np.ndarray) -> float:
@@ -129,6 +148,7 @@ class Epochs(CoordinatorOperator):
         metrics: Sequence[str] = (),
         patience: int | None = None,
         min_delta: float = 0.0,
+        serving: ShardServingPlan | None = None,
     ) -> None:
         self.epochs = epochs
         self.tol = tol
@@ -139,6 +159,7 @@ class Epochs(CoordinatorOperator):
         self.metrics = tuple(metrics)
         self.patience = patience
         self.min_delta = min_delta
+        self.serving = serving
         self._handles: list[Any] | None = None
 
     # -- the shards -----------------------------------------------------------------------
@@ -205,6 +226,32 @@ class Epochs(CoordinatorOperator):
         self.token = uuid.uuid4().hex[:16]
         if self.shard_names:
             self._each("reset", [self.token] * len(self.shard_names))
+            if self.serving is not None:
+                self._serve()
+
+    def _serve(self) -> None:
+        """Over the endpoint: every shard serving where the tasks' plans say (a shard Ray
+        restarted is a new process: it serves again, on the address it served on)."""
+        from .._errors import ShardsUnavailable
+
+        assert self.serving is not None
+        try:
+            got = self._each("serve_endpoint", list(self.serving.specs))
+        except Exception as ex:
+            raise ShardsUnavailable(
+                f"a restarted parameter shard cannot serve again on the address the tasks "
+                f"dial ({', '.join(s.bind for s in self.serving.specs)}): "
+                f"{str(ex).splitlines()[0] if str(ex) else type(ex).__name__}; another "
+                f"process may hold its port: give EndpointConfig(bind='host:port') a host "
+                f"whose ports stay free, or run with transport='ray'"
+            ) from ex
+        for i, (loc, want) in enumerate(zip(got, self.serving.locations)):
+            if loc != want:
+                raise ShardsUnavailable(
+                    f"parameter shard {i} serves at {loc}, the tasks dial {want}: it was "
+                    f"restarted elsewhere; run with transport='ray' or keep the shards on "
+                    f"one node"
+                )
 
     def snapshot_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {

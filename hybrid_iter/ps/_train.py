@@ -27,7 +27,9 @@ more than ``staleness`` epochs ahead of the slowest.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,11 +37,13 @@ from typing import Any
 
 import numpy as np
 
+from coordinator._endpoint import EndpointAddress
 from coordinator._ps import ShardSpec, shard_class
 from coordinator._tables import TableSpec
+from coordinator._variables import INLINE_LIMIT
 
 from .._body import IterationBody
-from .._config import CheckpointConfig, IterationConfig
+from .._config import TRANSPORTS, CheckpointConfig, EndpointConfig, IterationConfig
 from .._errors import (
     IterationConfigError,
     IterationFailedError,
@@ -47,6 +51,7 @@ from .._errors import (
     WorkerDiedError,
 )
 from .._result import IterationResult
+from .._runtime.endpoint import SERVE_TIMEOUT, EndpointPlan
 from .._runtime.iterate import iterate_bounded_streams_until_termination
 from .._runtime.placement import actor_class, kill, launch, launch_held
 from .._runtime.ray_util import NAMESPACE
@@ -60,7 +65,7 @@ from ..ml._base import (
 )
 from ..ml._features import VECTOR, column_kind, resolve_features
 from ._client import Shards, TablePlan
-from ._epochs import HOT_TOP, METRICS, Epochs, hot_keys
+from ._epochs import HOT_TOP, METRICS, Epochs, ShardServingPlan, hot_keys
 from ._layout import Layout
 from ._model import Model, _TableMeta
 from ._optim import SGD, Optimizer
@@ -409,6 +414,8 @@ def train(
     eval_metrics: Sequence[str] | str = ("log_loss", "auc"),
     label_col: str = "label",
     early_stopping: int | None = None,
+    transport: str = "auto",
+    endpoint: EndpointConfig | None = None,
 ) -> TrainResult:
     """Train ``init`` by ``grad_fn`` over ``df`` on a sharded parameter server.
 
@@ -442,6 +449,10 @@ def train(
       (``"log_loss"``, ``"auc"``), ``label_col``: evaluated after each epoch (in
       ``result.eval`` and the progress line); ``early_stopping=k``: stop after ``k``
       epochs without a better first metric.
+    * ``transport``, ``endpoint``: how the Spark tasks reach the coordinator and the
+      shards, as ``IterationConfig``'s (``"auto"``: the endpoint on a Spark Connect
+      session, Ray otherwise). Over the endpoint each shard serves its own, with the
+      run's token, and the tasks need nothing of Ray (docs/endpoint.md).
 
     Checked before any job: every argument, ``init`` finite (a NaN/inf names the
     parameter and index), the id columns integral. Checked on each worker before a step
@@ -492,6 +503,15 @@ def train(
     check_int("ps.train", "seed", seed, minimum=0)
     check_int("ps.train", "parallelism", parallelism, minimum=1, optional=True)
     check_progress("ps.train", progress)
+    if transport not in TRANSPORTS:
+        raise IterationConfigError(
+            f"ps.train(transport=...) must be one of {TRANSPORTS}, got {transport!r}"
+        )
+    if endpoint is not None and not isinstance(endpoint, EndpointConfig):
+        raise IterationConfigError(
+            f"ps.train(endpoint=...) must be a hybrid_iter.EndpointConfig(...), got "
+            f"{type(endpoint).__name__}"
+        )
     if checkpoint is not None and not isinstance(checkpoint, CheckpointConfig):
         raise IterationConfigError(
             f"ps.train(checkpoint=...) must be a hybrid_iter.CheckpointConfig(path, ...), got "
@@ -538,7 +558,19 @@ def train(
         name=name or f"ps[{mode}]",
         checkpoint=checkpoint,
         max_restarts=max_restarts,
+        transport=transport,
+        endpoint=endpoint,
     )
+    served = EndpointPlan.of(config, df.sparkSession, None)  # None: the shards through Ray
+    if served is not None:
+        # one token for the run: the coordinator's endpoint and every shard's
+        config = dataclasses.replace(
+            config,
+            transport="endpoint",
+            endpoint=dataclasses.replace(
+                config.endpoint or EndpointConfig(), token=served.spec.token
+            ),
+        )
     key = b""
     if checkpoint is not None:
         from coordinator._checkpoint import checkpoint_key
@@ -564,8 +596,12 @@ def train(
                 max_restarts=config.restarts,
                 key=key,
                 label=config.name or "train",
+                served=served is not None,
             )
             made.shard_names, made.shards, made.held = shard_names, shards, held
+            addresses, serving = None, None
+            if served is not None:
+                addresses, serving = serve_shards(shards, started, served)
             evaluation = None
             if eval_df is not None:
                 assert predict_fn is not None
@@ -590,6 +626,7 @@ def train(
                 sync=mode == "sync",
                 staleness_steps=staleness_steps,
                 eval=evaluation,
+                shard_endpoints=addresses,
             )
             worker = Worker(grad_fn=grad_fn, plan=plan, optimizer=optimizer)
             parts_uri = checkpoint.path.rstrip("/") + "/ps" if checkpoint is not None else None
@@ -602,6 +639,7 @@ def train(
                 keep_parts=(checkpoint.keep_last + 1) if checkpoint is not None else 0,
                 metrics=metrics,
                 patience=patience,
+                serving=serving,
             )
             body = IterationBody(
                 partition=worker,
@@ -763,17 +801,22 @@ def _start(
     max_restarts: int = 0,
     key: bytes = b"",
     label: str = "train",
+    served: bool = False,
 ) -> tuple[list[str], list[Any], list[Any], list[Any]]:
     """``_launch`` without waiting: the shards are created (named: tasks find them at
     once) and their processes start in the background; the fourth item holds one
-    reference per shard that resolves once it is up (or raises why it could not)."""
+    reference per shard that resolves once it is up (or raises why it could not).
+    ``served``: shards that can serve their own endpoint (``serve_shards``), whose
+    replies always carry the values (no object-store reference: no Ray on the caller)."""
     run_id = uuid.uuid4().hex[:12]
     # sync mode: an asyncio actor whose pulls wait for a step; async mode: a plain actor,
     # one call at a time with no event loop in between (nothing ever waits there)
     waits = sync or staleness_steps is not None
     concurrency = max(1000, 4 * num_workers + 16) if waits else 1
     shard_cls = actor_class(
-        shard_class(sync, staleness_steps), max_concurrency=concurrency, max_restarts=max_restarts
+        shard_class(sync, staleness_steps, served=served),
+        max_concurrency=concurrency,
+        max_restarts=max_restarts,
     )
     # the run's name in the actors' names: findable by it (dashboard, state API)
     tag = "".join(c if c.isalnum() or c in "-_" else "_" for c in label)[:40] or "train"
@@ -798,6 +841,7 @@ def _start(
                 staleness_steps=staleness_steps,
                 run_id=run_id,
                 key=key,
+                inline_limit=sys.maxsize if served else INLINE_LIMIT,
             )
             if max_restarts:
                 launched = launch_held(shard_cls, name, spec)
@@ -810,6 +854,50 @@ def _start(
         stop_shards(handles)
         raise
     return names, handles, held, started
+
+
+def serve_shards(
+    handles: Sequence[Any], started: Sequence[Any], plan: EndpointPlan
+) -> tuple[tuple[EndpointAddress, ...], ShardServingPlan]:
+    """Every shard serving its own endpoint (once each is up): the addresses the tasks
+    dial, and what the run's coordinator re-serves a restarted shard with (the same
+    address: the tasks' plans name it)."""
+    import ray
+
+    from .._errors import SessionError
+
+    _raise_if_not_started(started)
+    spec = plan.spec
+    host = spec.bind.rpartition(":")[0] if spec.bind else ""
+    first = dataclasses.replace(spec, bind=f"{host}:0" if host else "", advertise=None)
+    try:
+        locations = ray.get(
+            [h.serve_endpoint.remote(first) for h in handles], timeout=SERVE_TIMEOUT
+        )
+    except ray.exceptions.GetTimeoutError:
+        raise SessionError(
+            f"the parameter shards did not start serving their endpoints within "
+            f"{SERVE_TIMEOUT:g} s: look for the shard actors' errors in Ray's logs"
+        ) from None
+    except ray.exceptions.RayTaskError as ex:
+        raise SessionError(
+            f"the parameter shards cannot serve their endpoints on "
+            f"{first.bind or '<their node>:0'}: {str(ex.cause or ex).splitlines()[0]}; give "
+            f"EndpointConfig(bind='host:port') a host of the shards' node"
+        ) from None
+    specs = []
+    for loc in locations:
+        hostport = loc.split("://", 1)[-1]
+        port = hostport.rpartition(":")[2]
+        specs.append(
+            dataclasses.replace(
+                spec, bind=f"{host or hostport.rpartition(':')[0]}:{port}", advertise=hostport
+            )
+        )
+    addresses = tuple(
+        EndpointAddress(loc, spec.token, plan.root_certs, plan.connect_timeout) for loc in locations
+    )
+    return addresses, ShardServingPlan(tuple(specs), tuple(locations))
 
 
 #: seconds a failed run waits for its shards' start to learn whether one failed to start

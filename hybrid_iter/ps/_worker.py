@@ -63,6 +63,8 @@ class TrainPlan:
     sync: bool
     staleness_steps: int | None
     eval: EvalPlan | None
+    #: over the endpoint: each shard's ``EndpointAddress`` (None: the shards through Ray)
+    shard_endpoints: tuple[Any, ...] | None = None
 
 
 def batch_params(
@@ -280,6 +282,7 @@ class Worker(PartitionOperator):
                 p.dtype,
                 sync=p.sync,
                 plan=p.tables if p.tables.names else None,
+                endpoints=p.shard_endpoints,
             )
         return self.shards
 
