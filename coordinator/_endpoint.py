@@ -116,6 +116,8 @@ _LINKED = 2
 #: files of older versions kept to be written again (their memory is allocated already:
 #: writing a version into fresh tmpfs pages costs more than Ray's put)
 _SPARES = 2
+#: a reader maps a version's pages at once (one call) rather than fault by fault
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 @dataclass(frozen=True)
@@ -367,12 +369,15 @@ class _SharedFiles:
     lock taken without waiting, so never while a reader maps it. A version's file is
     written whole under another name and then renamed: a reader finds the whole file
     or none, and checks its header (server, version, size) under its lock, so a file
-    opened under an old name and written again since is recognised and not used."""
+    opened under an old name and written again since is recognised and not used. The
+    server writes through a mapping of each file that it keeps (the pages, allocated
+    once with ``posix_fallocate`` so that a full tmpfs is an error, not a SIGBUS, stay
+    mapped: writing a version again is one copy)."""
 
     def __init__(self, directory: str, token: str, server: str) -> None:
         self.directory, self._token, self._server = directory, token.encode(), server
-        self._linked: list[tuple[str, int]] = []  # (name, fd) by version, oldest first
-        self._spare: list[tuple[str, int]] = []  # (path, fd) to write again
+        self._linked: list[_File] = []  # by version, oldest first
+        self._spare: list[_File] = []  # to write again
         self._count = itertools.count()
 
     def _path(self, name: str) -> str:
@@ -382,68 +387,80 @@ class _SharedFiles:
         """Write version ``ref``; its file's name, None when it cannot be written (the
         caller streams it)."""
         digest = hmac.new(self._token, f"{self._server}:{ref.version}".encode(), hashlib.sha256)
-        name = f"{_PREFIX}{os.getpid()}-{digest.hexdigest()[:40]}"
+        name = self._path(f"{_PREFIX}{os.getpid()}-{digest.hexdigest()[:40]}")
         offsets, size = _offsets(ref.layout)
         try:
-            path, fd = self._free()
-        except OSError:
-            return None
-        try:
-            _write_all(fd, _file_header(ref, size), 0)
-            for (var, _dtype, _shape, _nbytes), at in zip(ref.layout, offsets, strict=True):
-                raw = np.ascontiguousarray(values[var]).reshape(-1).view(np.uint8)
-                _write_all(fd, raw, at)
-            os.ftruncate(fd, size)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.rename(path, self._path(name))
+            file = self._free(size)
         except OSError:  # a full tmpfs: no file, the version is streamed
-            _unlink(path)
-            os.close(fd)
             return None
-        self._linked.append((name, fd))
+        file.mapped[:_HEADER] = _file_header(ref, size)
+        for (var, _dtype, _shape, nbytes), at in zip(ref.layout, offsets, strict=True):
+            raw = np.ascontiguousarray(values[var]).reshape(-1).view(np.uint8)
+            np.frombuffer(file.mapped, np.uint8, nbytes, at)[:] = raw
+        try:
+            fcntl.flock(file.fd, fcntl.LOCK_UN)
+            os.rename(file.path, name)
+        except OSError:
+            file.close()
+            return None
+        file.path = name
+        self._linked.append(file)
         while len(self._linked) > _LINKED:
-            old, old_fd = self._linked.pop(0)
+            old = self._linked.pop(0)
             spare = self._path(f"{_PREFIX}{os.getpid()}-spare-{next(self._count)}")
             try:
-                os.rename(self._path(old), spare)
+                os.rename(old.path, spare)
             except OSError:
-                os.close(old_fd)
+                old.close()
                 continue
-            self._spare.append((spare, old_fd))
+            old.path = spare
+            self._spare.append(old)
         while len(self._spare) > _SPARES:
-            path, fd = self._spare.pop(0)
-            _unlink(path)
-            os.close(fd)
-        return name
+            self._spare.pop(0).close()
+        return os.path.basename(name)
 
-    def _free(self) -> tuple[str, int]:
-        """A file no reader maps, locked exclusively: a spare, else a new one."""
-        for i, (path, fd) in enumerate(self._spare):
+    def _free(self, size: int) -> _File:
+        """A file of ``size`` bytes no reader maps, locked exclusively: a spare, else a
+        new one."""
+        for i, file in enumerate(self._spare):
+            if len(file.mapped) != size:
+                continue
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # a reader maps it still
             del self._spare[i]
-            return path, fd
+            return file
         path = self._path(f"{_PREFIX}{os.getpid()}-new-{next(self._count)}")
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(path, flags, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        return path, fd
-
-    def remove_all(self) -> None:
-        files = [(self._path(n), fd) for n, fd in self._linked] + self._spare
-        self._linked, self._spare = [], []
-        for path, fd in files:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.posix_fallocate(fd, 0, size)
+            return _File(path, fd, mmap.mmap(fd, size))
+        except OSError:
             _unlink(path)
             os.close(fd)
+            raise
+
+    def remove_all(self) -> None:
+        files, self._linked, self._spare = self._linked + self._spare, [], []
+        for file in files:
+            file.close()
 
 
-def _write_all(fd: int, data: Any, at: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        done = os.pwrite(fd, view, at)
-        view, at = view[done:], at + done
+@dataclass
+class _File:
+    """One of the server's version files: its current path, descriptor and mapping."""
+
+    path: str
+    fd: int
+    mapped: mmap.mmap
+
+    def close(self) -> None:
+        _unlink(self.path)
+        self.mapped.close()
+        os.close(self.fd)
 
 
 def _map_version(directory: str, ref: EndpointRef) -> dict[str, np.ndarray] | None:
@@ -471,7 +488,7 @@ def _map_version(directory: str, ref: EndpointRef) -> dict[str, np.ndarray] | No
             or st.st_size != size
         ):
             raise ValueError("not the version's file")
-        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        mapped = mmap.mmap(fd, size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ)
     except (OSError, ValueError):
         os.close(fd)
         return None

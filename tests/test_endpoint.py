@@ -429,6 +429,24 @@ def test_subtasks_of_one_process_read_each_large_version_once(shared):
     assert reads == sorted((e, float(e) * 50_000) for e in range(EPOCHS) for _ in range(N))
 
 
+def test_a_full_shared_memory_streams_the_versions_instead(monkeypatch):
+    def full(fd, offset, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(endpoint.os, "posix_fallocate", full)
+    spec = EndpointSpec(bind="127.0.0.1:0", token="t")
+    with _served(spec) as (coord, location):
+        fetched, mapped = VERSIONS.fetched, VERSIONS.mapped
+        outcome = _run_stage(lambda: FlightLink(EndpointAddress(location, "t")))
+        assert outcome == {0: None, 1: None}
+        result = coord.result()
+        assert not _files_of(os.getpid())
+    assert result.epochs == EPOCHS and not result.failures
+    assert VERSIONS.fetched - fetched == EPOCHS + 1 and VERSIONS.mapped == mapped
+    reads = sorted(r.value for r in result.outputs)
+    assert reads == sorted((e, float(e) * 50_000) for e in range(EPOCHS) for _ in range(N))
+
+
 def _files_of(pid: int) -> set[str]:
     return {n for n in os.listdir(endpoint.SHARED_DIR) if n.startswith(f"hi-vars-{pid}-")}
 
