@@ -11,9 +11,11 @@ ray, endpoint, ...), each with one warm-up run and ``--repeats`` timed runs:
   (steady), per run; the report gives the median over runs. Target: endpoint <= 1.5x Ray.
 * ``variable``: a 1e6-float64 variable (8 MB) published every epoch and read by every
   subtask (each sums it, so every byte is touched): Ray puts each version into the object
-  store once and every subtask maps it zero-copy; the endpoint streams each version once
-  per Python worker. Figure: the steady epoch minus the empty body's steady epoch of the
-  same transport (what the variable adds). Target: endpoint <= Ray.
+  store once and every subtask maps it zero-copy; the endpoint writes each version once
+  to a shared-memory file that every Python worker of this host maps (``endpoint``), or
+  streams it to each Python worker (``streamed``: ``shared_memory=False``, what
+  executors on other hosts get). Figure: the steady epoch minus the empty body's steady
+  epoch of the same transport (what the variable adds). Target: endpoint <= Ray.
 * ``ps_step``: ``ps.train`` of a logistic model on a sparse table (dim 8, hashed ids,
   ~10 ids per row) plus a dense part, sync, 2 subtasks, 2 shards, ``--ps-batch`` rows per
   step: over Ray each step is one actor call per shard; over the endpoint one Flight
@@ -42,6 +44,12 @@ import hybrid_iter as hi  # noqa: E402
 from hybrid_iter import ps  # noqa: E402
 
 TRANSPORTS = ("ray", "endpoint")
+#: the variable's contenders: the transports, and the endpoint without shared memory
+VARIABLE = {
+    "ray": ("ray", None),
+    "endpoint": ("endpoint", None),
+    "streamed": ("endpoint", hi.EndpointConfig(shared_memory=False)),
+}
 
 
 class Tick(hi.PartitionOperator):
@@ -93,12 +101,15 @@ def empty(spark, transport, epochs):
     return statistics.median(result.epoch_seconds[1:])
 
 
-def variable(spark, transport, epochs, size):
+def variable(spark, contender, epochs, size):
+    transport, endpoint = VARIABLE[contender]
     df = spark.range(20, numPartitions=2)
     result = hi.iterate_bounded_streams_until_termination(
         {"w": np.zeros(size)},
         hi.ReplayableDataStreamList.not_replay(df),
-        hi.IterationConfig(staleness=0, max_epochs=epochs, parallelism=2, transport=transport),
+        hi.IterationConfig(
+            staleness=0, max_epochs=epochs, parallelism=2, transport=transport, endpoint=endpoint
+        ),
         hi.IterationBody(SumBig(), PublishBig()),
     )
     assert float(result.variables["w"].sum()) == epochs
@@ -169,29 +180,31 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results" / "endpoint.json"))
     args = ap.parse_args()
     parts = [p for p in args.parts.split(",") if p]
+    #: each part's contenders (the variable's: the transports and the streamed endpoint)
+    who = {"empty": TRANSPORTS, "variable": tuple(VARIABLE), "ps_step": TRANSPORTS}
 
-    runs: dict[str, dict[str, list[float]]] = {t: {p: [] for p in parts} for t in TRANSPORTS}
+    runs: dict[str, dict[str, list[float]]] = {p: {c: [] for c in who[p]} for p in parts}
     with hi.Session.local(parallelism=2) as session:
         spark = session.spark
         df = ps_frame(spark, args.ps_rows) if "ps_step" in parts else None
         contenders = {
-            "empty": lambda t, warm: empty(spark, t, 20 if warm else args.empty_epochs),
-            "variable": lambda t, warm: variable(
-                spark, t, 4 if warm else args.variable_epochs, args.size
+            "empty": lambda c, warm: empty(spark, c, 20 if warm else args.empty_epochs),
+            "variable": lambda c, warm: variable(
+                spark, c, 4 if warm else args.variable_epochs, args.size
             ),
-            "ps_step": lambda t, warm: ps_step(df, t, 2 if warm else args.ps_epochs, args.ps_batch),
+            "ps_step": lambda c, warm: ps_step(df, c, 2 if warm else args.ps_epochs, args.ps_batch),
         }
-        for t in TRANSPORTS:  # one warm-up run of each, untimed
-            for p in parts:
-                contenders[p](t, True)
+        for p in parts:  # one warm-up run of each, untimed
+            for c in who[p]:
+                contenders[p](c, True)
         for i in range(args.repeats):
-            for t in TRANSPORTS:
-                for p in parts:
-                    runs[t][p].append(contenders[p](t, False))
-                line = ", ".join(f"{p} {runs[t][p][-1] * 1e3:.2f} ms" for p in parts)
-                print(f"repeat {i} {t:8s}: {line}", flush=True)
-    med = {t: {k: statistics.median(v) for k, v in runs[t].items()} for t in TRANSPORTS}
-    ratios = {p: ratio(med["endpoint"][p], med["ray"][p]) for p in parts}
+            for p in parts:
+                for c in who[p]:
+                    runs[p][c].append(contenders[p](c, False))
+                line = ", ".join(f"{c} {runs[p][c][-1] * 1e3:.2f}" for c in who[p])
+                print(f"repeat {i} {p}: {line} ms", flush=True)
+    med = {p: {c: statistics.median(v) for c, v in runs[p].items()} for p in parts}
+    ratios = {p: ratio(med[p]["endpoint"], med[p]["ray"]) for p in parts}
     report: dict = {
         "benchmark": "endpoint",
         "params": vars(args),
@@ -200,28 +213,39 @@ def main() -> None:
         "ratios_endpoint_over_ray": ratios,
         "targets": {"empty": "<= 1.5", "variable_added": "<= 1.0", "ps_step": "<= 1.0"},
     }
+    if "variable" in parts:
+        ratios["streamed_variable"] = ratio(med["variable"]["streamed"], med["variable"]["ray"])
     if "empty" in parts and "variable" in parts:
-        added = {t: med[t]["variable"] - med[t]["empty"] for t in TRANSPORTS}
+        # the streamed endpoint's empty epoch is the endpoint's (shared memory is not used)
+        base = {**med["empty"], "streamed": med["empty"]["endpoint"]}
+        added = {c: med["variable"][c] - base[c] for c in VARIABLE}
         report["variable_added_seconds_per_epoch"] = added
         ratios["variable_added"] = ratio(added["endpoint"], added["ray"])
+        ratios["streamed_variable_added"] = ratio(added["streamed"], added["ray"])
     path = write_report(report, Path(args.out))
     print()
-    print(f"{'':28s}{'ray':>10s}{'endpoint':>10s}{'ratio':>8s}")
+    print(f"{'':28s}{'ray':>10s}{'endpoint':>10s}{'ratio':>8s}{'streamed':>10s}{'ratio':>8s}")
     names = {
         "empty": "empty epoch, ms",
         "variable": "1e6-float64 epoch, ms",
         "ps_step": "ps.train step, ms",
     }
     for p in parts:
+        streamed = (
+            f"{med[p]['streamed'] * 1e3:10.2f}{ratios['streamed_variable']:8.2f}"
+            if p == "variable"
+            else ""
+        )
         print(
-            f"{names[p]:28s}{med['ray'][p] * 1e3:10.2f}"
-            f"{med['endpoint'][p] * 1e3:10.2f}{ratios[p]:8.2f}"
+            f"{names[p]:28s}{med[p]['ray'] * 1e3:10.2f}"
+            f"{med[p]['endpoint'] * 1e3:10.2f}{ratios[p]:8.2f}{streamed}"
         )
     if "variable_added" in ratios:
         added = report["variable_added_seconds_per_epoch"]
         print(
             f"{'  of which the variable, ms':28s}{added['ray'] * 1e3:10.2f}"
             f"{added['endpoint'] * 1e3:10.2f}{ratios['variable_added']:8.2f}"
+            f"{added['streamed'] * 1e3:10.2f}{ratios['streamed_variable_added']:8.2f}"
         )
     print(f"wrote {path}")
 

@@ -200,6 +200,14 @@ class VariablesStore:
         else:
             self._values = {n: _frozen(a) if n in checked else a for n, a in values.items()}
 
+    def without_object_store(self) -> None:
+        """The subtasks read the versions from elsewhere (the coordinator endpoint's
+        server): from the next version on, none is put into the object store (a put
+        would be a copy no one reads)."""
+        refs, self._refs = self._refs, OncePerVersion(None, self._refs.limit)
+        self._refs.puts = refs.puts
+        self._get = None
+
     def restore(self, values: Mapping[str, Any], version: int, publishes: int) -> None:
         """Take a checkpoint's version (the shapes were checked by its fingerprint)."""
         self._values = normalize_variables(values, what="checkpointed variables")

@@ -125,6 +125,10 @@ class EndpointConfig:
       certificate against (default: ``tls_cert``, a self-signed certificate).
     * ``connect_timeout``: seconds a subtask's first call may take before the endpoint
       counts as unreachable.
+    * ``shared_memory``: the coordinator also writes each large variables version once
+      to a file in ``/dev/shm`` (mode 0600), which the subtasks on its host, of its
+      user, map read-only instead of streaming it (as Ray's object store does); False:
+      every subtask process streams it.
     """
 
     bind: str | None = None
@@ -134,9 +138,14 @@ class EndpointConfig:
     tls_key: str | None = None
     tls_root_certs: str | None = None
     connect_timeout: float = 30.0
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         _check_hostport("EndpointConfig.bind", self.bind, optional=True)
+        if not isinstance(self.shared_memory, bool):
+            raise IterationConfigError(
+                f"EndpointConfig.shared_memory must be True or False, got {self.shared_memory!r}"
+            )
         _check_hostport("EndpointConfig.advertise", self.advertise, optional=True)
         if self.token is not None and (not isinstance(self.token, str) or not self.token):
             raise IterationConfigError("EndpointConfig.token must be a non-empty string or None")

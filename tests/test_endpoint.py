@@ -11,6 +11,7 @@ in this process, without Ray."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import os
 import socket
@@ -28,6 +29,7 @@ from hypothesis import strategies as st
 from ops import GradientDescent, LinRegPartition, Recorder, RecordingCoordinator, make_regression
 from test_recovery import CopyingGrad, CountingGrad, _kill_when_written
 
+import coordinator._endpoint as endpoint
 import hybrid_iter as hi
 from coordinator import CoordinatorSpec, IterationCoordinator
 from coordinator._endpoint import (
@@ -161,7 +163,7 @@ class ReadsBig(hi.PartitionOperator):
         from coordinator._endpoint import VERSIONS  # this worker's, not the driver's
 
         out.output("seen", (ctx.partition_id, self.seen))
-        out.output("streamed", (ctx.partition_id, os.getpid(), VERSIONS.streamed))
+        out.output("fetched", (ctx.partition_id, os.getpid(), VERSIONS.fetched, VERSIONS.mapped))
 
 
 class PublishesBig(hi.CoordinatorOperator):
@@ -200,9 +202,11 @@ def test_large_variables_reach_every_subtask_alike_read_only_and_streamed_once(s
         assert {(s[1], s[2], s[3], s[4], s[6]) for s in seen} == {
             ("<f8", (BIG,), "<i4", (3, 5), ())
         }
-    # each Python worker streamed each large version once (a reused worker counts on)
-    for _pid, _process, streamed in ep.outputs["streamed"]:
-        assert 5 <= streamed and streamed % 5 == 0
+    # each Python worker read each large version once (a reused worker counts on), and
+    # on the coordinator's host mapped it from the server's shared-memory file
+    for _pid, _process, fetched, mapped in ep.outputs["fetched"]:
+        assert 5 <= fetched and fetched % 5 == 0
+        assert mapped == fetched
     assert ep.variables["big"].tobytes() == ray.variables["big"].tobytes()
 
 
@@ -306,6 +310,8 @@ def test_bad_endpoint_settings_are_refused_before_any_job(tmp_path):
         hi.EndpointConfig(tls_cert=str(cert), tls_key=str(tmp_path / "missing.pem"))
     with pytest.raises(hi.IterationConfigError, match="endpoint must be an EndpointConfig"):
         hi.IterationConfig(endpoint={"bind": "127.0.0.1:0"})
+    with pytest.raises(hi.IterationConfigError, match="shared_memory must be True or False"):
+        hi.EndpointConfig(shared_memory="yes")
 
 
 # -- the endpoint against the real coordinator in this process (no Ray) -------------------
@@ -404,18 +410,45 @@ def _run_stage(link_of) -> dict[int, Exception | None]:
     return outcome
 
 
-def test_subtasks_of_one_process_stream_each_large_version_once():
-    spec = EndpointSpec(bind="127.0.0.1:0", token="secret")
+@pytest.mark.parametrize("shared", [True, False], ids=["mapped", "streamed"])
+def test_subtasks_of_one_process_read_each_large_version_once(shared):
+    spec = EndpointSpec(bind="127.0.0.1:0", token="secret", shared_memory=shared)
     with _served(spec) as (coord, location):
-        before = VERSIONS.streamed
+        fetched, mapped = VERSIONS.fetched, VERSIONS.mapped
         outcome = _run_stage(lambda: FlightLink(EndpointAddress(location, "secret")))
         assert outcome == {0: None, 1: None}
         result = coord.result()
+        # the newest versions and the spares to write again: a bounded set of files
+        assert 0 < len(_files_of(os.getpid())) <= 4 if shared else not _files_of(os.getpid())
+    assert not _files_of(os.getpid())  # the run's end removed them
     assert result.epochs == EPOCHS and not result.failures
-    # versions 0..EPOCHS, each read by both subtasks, streamed once
-    assert VERSIONS.streamed - before == EPOCHS + 1
+    # versions 0..EPOCHS, each read by both subtasks, read once: mapped on this host
+    assert VERSIONS.fetched - fetched == EPOCHS + 1
+    assert VERSIONS.mapped - mapped == (EPOCHS + 1 if shared else 0)
     reads = sorted(v for _tag, v in ((r.tag, r.value) for r in result.outputs))
     assert reads == sorted((e, float(e) * 50_000) for e in range(EPOCHS) for _ in range(N))
+
+
+def test_a_full_shared_memory_streams_the_versions_instead(monkeypatch):
+    def full(fd, offset, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(endpoint.os, "posix_fallocate", full)
+    spec = EndpointSpec(bind="127.0.0.1:0", token="t")
+    with _served(spec) as (coord, location):
+        fetched, mapped = VERSIONS.fetched, VERSIONS.mapped
+        outcome = _run_stage(lambda: FlightLink(EndpointAddress(location, "t")))
+        assert outcome == {0: None, 1: None}
+        result = coord.result()
+        assert not _files_of(os.getpid())
+    assert result.epochs == EPOCHS and not result.failures
+    assert VERSIONS.fetched - fetched == EPOCHS + 1 and VERSIONS.mapped == mapped
+    reads = sorted(r.value for r in result.outputs)
+    assert reads == sorted((e, float(e) * 50_000) for e in range(EPOCHS) for _ in range(N))
+
+
+def _files_of(pid: int) -> set[str]:
+    return {n for n in os.listdir(endpoint.SHARED_DIR) if n.startswith(f"hi-vars-{pid}-")}
 
 
 def test_a_wrong_token_is_refused_naming_the_address_and_the_fix():
@@ -535,8 +568,6 @@ DTYPES = ["<f8", ">f8", "<f4", "<i8", "<i4", "|i1", "|u1", "|b1", "<c16", "<u2"]
     chunk=st.integers(1, 64),
 )
 def test_streamed_variables_come_back_equal_and_read_only(arrays, chunk):
-    import coordinator._endpoint as endpoint
-
     values = {}
     for i, (dtype, shape, seed) in enumerate(arrays):
         raw = np.random.default_rng(seed).integers(
@@ -572,3 +603,164 @@ def test_a_variable_larger_than_a_chunk_is_streamed_whole():
         assert values["v"].shape == (700_000,) and not values["v"].flags.writeable
         assert values["v"].tobytes() == coord.store.values["v"].tobytes()
         link.close()
+
+
+# -- the shared-memory version files -------------------------------------------------------
+
+
+def _variables(arrays) -> dict[str, np.ndarray]:
+    """Arrays of any dtype and shape (0-d, empty), every other one not contiguous."""
+    values = {}
+    for i, (dtype, shape, seed) in enumerate(arrays):
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=int))
+        raw = np.random.default_rng(seed).integers(0, 256, 2 * n * dt.itemsize, dtype=np.uint8)
+        whole = raw.view(dt)
+        values[f"v{i}"] = (whole[::2] if i % 2 else whole[:n]).reshape(shape)
+    return values
+
+
+def _ref(values, version: int = 1, server: str = "s" * 32) -> endpoint.EndpointRef:
+    layout = tuple((n, a.dtype.str, tuple(a.shape), a.nbytes) for n, a in values.items())
+    return endpoint.EndpointRef(server, version, layout)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    arrays=st.lists(
+        st.tuples(
+            st.sampled_from(DTYPES),
+            st.lists(st.integers(0, 5), min_size=0, max_size=3),
+            st.integers(0, 2**32 - 1),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_a_version_file_maps_back_bit_for_bit_read_only(tmp_path_factory, arrays):
+    directory = str(tmp_path_factory.mktemp("shm"))
+    files = endpoint._SharedFiles(directory, "token", "s" * 32)
+    values = _variables(arrays)
+    ref = _ref(values)
+    name = files.write(ref, values)
+    assert name is not None
+    ref = dataclasses.replace(ref, shared=name)
+    got = endpoint._map_version(directory, ref)
+    assert got is not None and list(got) == list(values)
+    for n, arr in values.items():
+        back = got[n]
+        assert back.dtype == arr.dtype and back.shape == arr.shape
+        assert back.tobytes() == arr.tobytes()
+        assert not back.flags.writeable
+        assert back.ctypes.data % back.dtype.alignment == 0
+    assert os.stat(os.path.join(directory, name)).st_mode & 0o777 == 0o600
+    files.remove_all()
+    assert not os.listdir(directory)
+
+
+def test_a_version_a_reader_maps_is_never_written_over(tmp_path):
+    """Newer versions go to other files while a reader maps an old one; once it lets go,
+    its file is written again (no new memory per version)."""
+    directory = str(tmp_path)
+    files = endpoint._SharedFiles(directory, "token", "s" * 32)
+
+    def publish(version):
+        values = {"w": np.full(1000, float(version)), "k": np.int64(version)}
+        ref = _ref(values, version)
+        return dataclasses.replace(ref, shared=files.write(ref, values))
+
+    held = endpoint._map_version(directory, publish(1))
+    assert held is not None
+    created = set()
+    for version in range(2, 12):
+        ref = publish(version)
+        created |= {os.stat(os.path.join(directory, n)).st_ino for n in os.listdir(directory)}
+        got = endpoint._map_version(directory, ref)
+        assert got is not None and float(got["w"][0]) == version and int(got["k"]) == version
+        del got
+    assert held["w"].tobytes() == np.full(1000, 1.0).tobytes() and int(held["k"]) == 1
+    # a bounded set of files written again, not one per version
+    assert len(os.listdir(directory)) <= endpoint._LINKED + endpoint._SPARES
+    assert len(created) <= endpoint._LINKED + endpoint._SPARES + 1
+    # an old version's name no longer opens (it is streamed instead)
+    assert endpoint._map_version(directory, publish(12)) is not None
+    assert endpoint._map_version(directory, dataclasses.replace(ref, version=3)) is None
+    files.remove_all()
+
+
+def test_a_file_that_is_not_the_versions_own_is_not_mapped(tmp_path):
+    directory = str(tmp_path)
+    files = endpoint._SharedFiles(directory, "token", "s" * 32)
+    values = {"w": np.arange(100.0)}
+    ref = _ref(values, 7)
+    ref = dataclasses.replace(ref, shared=files.write(ref, values))
+    path = os.path.join(directory, ref.shared)
+    assert endpoint._map_version(directory, ref) is not None
+    # another version's or another server's header, another size, a path, a link
+    assert endpoint._map_version(directory, dataclasses.replace(ref, version=8)) is None
+    assert endpoint._map_version(directory, dataclasses.replace(ref, server="t" * 32)) is None
+    wider = (("w", "<f8", (200,), 1600),)
+    assert endpoint._map_version(directory, dataclasses.replace(ref, layout=wider)) is None
+    assert endpoint._map_version(directory, dataclasses.replace(ref, shared="../x")) is None
+    link = "hi-vars-1-link"
+    os.symlink(path, os.path.join(directory, link))
+    assert endpoint._map_version(directory, dataclasses.replace(ref, shared=link)) is None
+    # readable by others: not trusted
+    os.chmod(path, 0o644)
+    assert endpoint._map_version(directory, ref) is None
+    files.remove_all()
+
+
+def test_files_of_a_killed_coordinator_are_removed_by_the_next_one(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    dead = int(gone.stdout)
+    monkeypatch.setattr(endpoint, "SHARED_DIR", str(tmp_path))
+    left = tmp_path / f"hi-vars-{dead}-abc"
+    left.write_bytes(b"x")
+    alive = tmp_path / f"hi-vars-{os.getppid()}-abc"
+    alive.write_bytes(b"x")
+    with _served(EndpointSpec(bind="127.0.0.1:0", token="t"), size=10):
+        assert not left.exists() and alive.exists()
+
+
+def test_an_endpoint_coordinator_puts_nothing_into_the_object_store():
+    from coordinator._variables import VariablesStore
+
+    puts = []
+    store = VariablesStore(
+        {"w": np.zeros(100_000)},
+        put=lambda v: puts.append(v) or len(puts),
+        get=lambda r: puts[r - 1],
+    )
+    store.publish({"w": np.ones(100_000)})
+    assert store.puts == 1
+    store.without_object_store()
+    store.publish({"w": np.full(100_000, 2.0)})
+    payload = store.payload()
+    assert store.puts == 1 and len(puts) == 1 and payload.ref is None
+    assert payload.inline is not None and float(payload.inline["w"][0]) == 2.0
+
+
+def test_a_worker_keeps_a_bounded_number_of_versions_across_runs():
+    cache = endpoint._VersionCache()
+    read = []
+
+    def fetch(ref):
+        read.append((ref.server, ref.version))
+        return {"w": np.full(3, float(ref.version))}
+
+    for server in ("a", "b", "c", "d", "e"):  # one run after another in one Python worker
+        for version in range(4):
+            ref = endpoint.EndpointRef(server, version, (("w", "<f8", (3,), 24),))
+            assert float(cache.get(ref, fetch)["w"][0]) == version
+            assert float(cache.get(ref, fetch)["w"][0]) == version  # read once
+    assert len(read) == 20 and len(set(read)) == 20
+    assert len(cache._held) <= endpoint._CACHED

@@ -66,7 +66,12 @@ class EndpointPlan:
         cert, key = _read(ec.tls_cert, "tls_cert"), _read(ec.tls_key, "tls_key")
         roots = _read(ec.tls_root_certs, "tls_root_certs") or cert
         spec = EndpointSpec(
-            bind=ec.bind or "", token=token, advertise=ec.advertise, tls_cert=cert, tls_key=key
+            bind=ec.bind or "",
+            token=token,
+            advertise=ec.advertise,
+            tls_cert=cert,
+            tls_key=key,
+            shared_memory=ec.shared_memory,
         )
         return cls(spec, roots, float(ec.connect_timeout))
 
