@@ -689,6 +689,20 @@ _CACHED = 4
 VERSIONS = _VersionCache()
 
 
+def open_client(address: EndpointAddress, protocol: int = PROTOCOL_VERSION) -> tuple[Any, Any]:
+    """A Flight client of ``address`` (TLS when its location says so) and the call options
+    every call carries: the run's token and this side's protocol version."""
+    kwargs: dict[str, Any] = {}
+    if address.location.startswith("grpc+tls"):
+        kwargs["tls_root_certs"] = address.root_certs
+    client = flight.FlightClient(address.location, **kwargs)
+    headers = [
+        (_AUTH.encode(), f"Bearer {address.token}".encode()),
+        (_PROTOCOL.encode(), str(protocol).encode()),
+    ]
+    return client, flight.FlightCallOptions(headers=headers)
+
+
 def handshake(
     client: Any,
     address: EndpointAddress,
@@ -744,15 +758,7 @@ class FlightLink(_Forwarding):
 
     def __init__(self, address: EndpointAddress, *, _protocol: int = PROTOCOL_VERSION) -> None:
         self.address = address
-        kwargs: dict[str, Any] = {}
-        if address.location.startswith("grpc+tls"):
-            kwargs["tls_root_certs"] = address.root_certs
-        self._client = flight.FlightClient(address.location, **kwargs)
-        headers = [
-            (_AUTH.encode(), f"Bearer {address.token}".encode()),
-            (_PROTOCOL.encode(), str(_protocol).encode()),
-        ]
-        self._options = flight.FlightCallOptions(headers=headers)
+        self._client, self._options = open_client(address, _protocol)
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="hi-endpoint")
         self.server_id, self._protocol = "", _protocol
         self._hello()

@@ -36,14 +36,13 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from ._endpoint import (
-    _AUTH,
-    _PROTOCOL,
     PROTOCOL_VERSION,
     EndpointAddress,
     EndpointSpec,
     FlightServing,
     _split,
     handshake,
+    open_client,
 )
 from ._errors import EndpointError, HybridIterError
 
@@ -204,19 +203,11 @@ class ShardClient:
 
     def __init__(self, address: EndpointAddress) -> None:
         self.address = address
-        kwargs: dict[str, Any] = {}
-        if address.location.startswith("grpc+tls"):
-            kwargs["tls_root_certs"] = address.root_certs
-        self._client = flight.FlightClient(address.location, **kwargs)
-        headers = [
-            (_AUTH.encode(), f"Bearer {address.token}".encode()),
-            (_PROTOCOL.encode(), str(PROTOCOL_VERSION).encode()),
-        ]
-        self._options = flight.FlightCallOptions(headers=headers)
+        self._client, self._options = open_client(address)
         self.server_id = handshake(
             self._client,
             address,
-            headers,
+            self._options.headers,
             what="the parameter shard endpoint",
             running="the run's parameter shard",
         )

@@ -552,19 +552,21 @@ def test_a_tls_iteration_on_spark_and_ray_gives_the_ray_result(spark, regression
 # -- the variables codec -------------------------------------------------------------------
 
 DTYPES = ["<f8", ">f8", "<f4", "<i8", "<i4", "|i1", "|u1", "|b1", "<c16", "<u2"]
+#: one version's variables: (dtype, shape, seed) each
+ARRAYS = st.lists(
+    st.tuples(
+        st.sampled_from(DTYPES),
+        st.lists(st.integers(0, 5), min_size=0, max_size=3),
+        st.integers(0, 2**32 - 1),
+    ),
+    min_size=1,
+    max_size=4,
+)
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    arrays=st.lists(
-        st.tuples(
-            st.sampled_from(DTYPES),
-            st.lists(st.integers(0, 5), min_size=0, max_size=3),
-            st.integers(0, 2**32 - 1),
-        ),
-        min_size=1,
-        max_size=4,
-    ),
+    arrays=ARRAYS,
     chunk=st.integers(1, 64),
 )
 def test_streamed_variables_come_back_equal_and_read_only(arrays, chunk):
@@ -626,17 +628,7 @@ def _ref(values, version: int = 1, server: str = "s" * 32) -> endpoint.EndpointR
 
 
 @settings(max_examples=40, deadline=None)
-@given(
-    arrays=st.lists(
-        st.tuples(
-            st.sampled_from(DTYPES),
-            st.lists(st.integers(0, 5), min_size=0, max_size=3),
-            st.integers(0, 2**32 - 1),
-        ),
-        min_size=1,
-        max_size=4,
-    )
-)
+@given(arrays=ARRAYS)
 def test_a_version_file_maps_back_bit_for_bit_read_only(tmp_path_factory, arrays):
     directory = str(tmp_path_factory.mktemp("shm"))
     files = endpoint._SharedFiles(directory, "token", "s" * 32)
