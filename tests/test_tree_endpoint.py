@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -136,7 +138,7 @@ def test_a_group_endpoint_refuses_a_wrong_token_naming_its_address(session):
     its first call, with the group's address and the fix; the right one is let in."""
     import ray
 
-    from coordinator._tree_endpoint import GroupLink, group_link
+    from coordinator._tree_endpoint import group_link
 
     class TreeHost:  # stands in for a coordinator actor (defined here: shipped by value)
         async def start(self, spec):
@@ -154,8 +156,17 @@ def test_a_group_endpoint_refuses_a_wrong_token_naming_its_address(session):
         locations = ray.get(host.start.remote(spec), timeout=120)
         # two groups of two members, each on its own port
         assert locations[0] == locations[1] != locations[2] == locations[3]
-        coordinator = EndpointAddress("grpc+tcp://127.0.0.1:1", "right", connect_timeout=10)
-        assert isinstance(group_link(coordinator, locations[0]), GroupLink)
+        # the right token is let in, by a process that never imports Ray (a Spark task's)
+        fresh = (
+            "import sys\n"
+            "from coordinator._endpoint import EndpointAddress, FlightLink\n"
+            "from coordinator._tree_endpoint import group_link\n"
+            "coordinator = EndpointAddress('grpc+tcp://127.0.0.1:1', 'right', connect_timeout=10)\n"
+            f"link = group_link(coordinator, {locations[0]!r})\n"
+            "assert link.server_id and isinstance(link, FlightLink)\n"
+            "assert 'ray' not in sys.modules, 'a group link imported ray'\n"
+        )
+        subprocess.run([sys.executable, "-c", fresh], check=True, timeout=120)
         wrong = EndpointAddress("grpc+tcp://127.0.0.1:1", "wrong", connect_timeout=10)
         with pytest.raises(hi.EndpointAuthError) as info:
             group_link(wrong, locations[2])
