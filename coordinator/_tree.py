@@ -21,6 +21,10 @@ rounding. Checkpoints are unaffected: partial values of epoch ``k`` are consumed
 alignment ``k``, before a checkpoint of that alignment is cut; a restarted coordinator
 starts new groups and relaunched tasks ask it for them again (``group_of``).
 
+Over the coordinator endpoint (``transport="endpoint"``) each group also serves its
+members' ``report`` on its own Flight endpoint (``serve_endpoint``,
+``coordinator._tree_endpoint``); the rest of the tree is the same Ray actors.
+
 Nothing here imports Ray at module level: the pure parts (``SumCombiner``, ``fold``,
 ``group_bounds``) are tested without it.
 """
