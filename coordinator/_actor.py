@@ -274,7 +274,10 @@ class IterationCoordinator(EndpointServing):
         call = _GroupCall(len(members), asyncio.get_running_loop().create_future())
         slots = [_Member(call, i) for i in range(len(members))]
         self._run(GroupReport(first_pid, epoch, members, combined, attempt, slots))
-        return await call.future if members else []
+        replies = await call.future if members else []
+        if self._endpoint is not None:  # the members have no Ray: variables they can read
+            replies = self._endpoint.readable(replies)
+        return replies
 
     async def group_of(self, pid: int) -> Any:
         """The feedback group actor subtask ``pid`` reports to (None: to this actor)."""

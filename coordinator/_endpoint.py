@@ -251,16 +251,29 @@ class EndpointServer(FlightServing):
     # runs on the coordinator's loop: the store is read where it is written
     async def _answer(self, method: str, args: tuple[Any, ...]) -> Any:
         result = await getattr(self.coordinator, method)(*args)
-        if method == "group_of" and result is not None:
-            raise EndpointError(
-                "feedback_combine's group actors are reached through Ray only; run it with "
-                "IterationConfig(transport='ray')"
-            )
+        if method == "group_of" and result is not None:  # its group's endpoint location
+            return self.coordinator._tree.location_of(*args)
         if isinstance(result, VariablesPayload):
             return self._external(result)
         if isinstance(result, Reply) and result.variables is not None:
             return _replace_variables(result, self._external(result.variables))
         return result
+
+    def readable(self, replies: list[Reply]) -> list[Reply]:
+        """A feedback group's replies (``report_group``) as its members, without Ray,
+        read them: their variables inline or streamed from this endpoint (each distinct
+        reply converted once; the members mostly share one)."""
+        done: dict[int, Reply] = {}
+        out = []
+        for r in replies:
+            got = done.get(id(r))
+            if got is None:
+                got = r
+                if r.variables is not None:
+                    got = _replace_variables(r, self._external(r.variables))
+                done[id(r)] = got
+            out.append(got)
+        return out
 
     def _external(self, payload: VariablesPayload) -> VariablesPayload:
         """``payload`` as a subtask without Ray can read it: inline, or an
@@ -612,6 +625,7 @@ class EndpointServing:
     async def serve_endpoint(self, spec: EndpointSpec) -> str:
         """Serve this coordinator on ``spec`` (once: a second call answers the same);
         returns the location subtasks dial."""
+        given = spec
         if self._endpoint is None:
             if not spec.bind:  # this node's address, any free port
                 from ._shell import node_ip
@@ -625,6 +639,9 @@ class EndpointServing:
             store = getattr(self, "store", None)
             if store is not None:  # the subtasks read versions from the server only
                 store.without_object_store()
+        tree = getattr(self, "_tree", None)
+        if tree is not None:  # feedback_combine: its groups serve their members too
+            await tree.serve(given)
         return self._endpoint.location
 
     def close_endpoint(self) -> None:
@@ -763,11 +780,22 @@ class FlightLink(_Forwarding):
         self.server_id, self._protocol = "", _protocol
         self._hello()
 
+    #: what this link reaches, as its errors name it; what serves there; what a failed
+    #: call adds to say where to look
+    _what = "the coordinator endpoint"
+    _running = "the coordinator"
+    _lost = ""
+
     def _hello(self) -> None:
         """The first call, bounded by ``connect_timeout``: the address, the token and the
         protocol version are checked here, each failure named."""
         self.server_id = handshake(
-            self._client, self.address, self._options.headers, self._protocol
+            self._client,
+            self.address,
+            self._options.headers,
+            self._protocol,
+            what=self._what,
+            running=self._running,
         )
 
     def _do(self, method: str, args: tuple[Any, ...]) -> Any:
@@ -776,8 +804,8 @@ class FlightLink(_Forwarding):
             results = list(self._client.do_action(flight.Action(method, body), self._options))
         except flight.FlightError as ex:
             raise EndpointError(
-                f"the coordinator endpoint at {self.address.address} failed in "
-                f"{method}: {str(ex).splitlines()[0] if str(ex) else type(ex).__name__}"
+                f"{self._what} at {self.address.address} failed in {method}: "
+                f"{str(ex).splitlines()[0] if str(ex) else type(ex).__name__}{self._lost}"
             ) from None
         return cloudpickle.loads(results[0].body.to_pybytes())
 
@@ -820,4 +848,11 @@ class FlightLink(_Forwarding):
             ) from None
 
     def group_of(self, pid: int) -> Pending[CoordinatorLink | None]:
-        return _Mapped(self._call("group_of", pid), lambda g: None)
+        def link(location: str | None) -> CoordinatorLink | None:
+            if location is None:
+                return None
+            from ._tree_endpoint import group_link
+
+            return group_link(self.address, location)
+
+        return _Mapped(self._call("group_of", pid), link)

@@ -21,6 +21,10 @@ rounding. Checkpoints are unaffected: partial values of epoch ``k`` are consumed
 alignment ``k``, before a checkpoint of that alignment is cut; a restarted coordinator
 starts new groups and relaunched tasks ask it for them again (``group_of``).
 
+Over the coordinator endpoint (``transport="endpoint"``) each group also serves its
+members' ``report`` on its own Flight endpoint (``serve_endpoint``,
+``coordinator._tree_endpoint``); the rest of the tree is the same Ray actors.
+
 Nothing here imports Ray at module level: the pure parts (``SumCombiner``, ``fold``,
 ``group_bounds``) are tested without it.
 """
@@ -226,6 +230,8 @@ class CoordinatorTree:
         self.combiner = spec.load()
         self.bounds = group_bounds(num_subtasks, spec.fan_in)
         self.groups: list[Any] = []
+        #: each group's endpoint location, over the coordinator endpoint (``serve``)
+        self.locations: list[str] = []
         #: merges the groups' calls into one per epoch (None: no groups)
         self.root: Any = None
         self.calls = 0  # report / report_group calls received (the fan-in in practice)
@@ -253,6 +259,28 @@ class CoordinatorTree:
         for (lo, hi), g in zip(self.bounds, self.groups):
             if lo <= pid < hi:
                 return g
+        return None
+
+    async def serve(self, spec: Any) -> None:
+        """Over the coordinator endpoint: every group serves its own endpoint
+        (``coordinator._tree_endpoint``) with ``spec``'s token and TLS; ``location_of``
+        then names a subtask's. Once: later calls find them served."""
+        if self.groups and not self.locations:
+            from ._tree_endpoint import group_spec
+
+            served = group_spec(spec)
+            self.locations = list(
+                await asyncio.gather(*[g.serve_endpoint.remote(served) for g in self.groups])
+            )
+
+    def location_of(self, pid: int) -> str | None:
+        """The endpoint location of subtask ``pid``'s group (None: straight to the
+        coordinator)."""
+        for (lo, hi), where in zip(self.bounds, self.locations):
+            if lo <= pid < hi:
+                return where
+        if self.groups and not self.locations:
+            raise RuntimeError("the feedback groups are not serving their endpoints")
         return None
 
     def abort(self, failure: Any) -> None:
@@ -369,6 +397,8 @@ class GroupAggregator(_Aggregator):
         )
         self.lo, self.hi = lo, hi
         self.where = f"feedback group [{lo}, {hi})"
+        #: its endpoint's server, over the coordinator endpoint (``serve_endpoint``)
+        self._server: Any = None
 
     async def report(
         self,
@@ -409,6 +439,15 @@ class GroupAggregator(_Aggregator):
                 )
             members.append((p, kv, rest, rows))  # feedback travels once, merged
         return self.lo, members, _merged(partial, partial_round, self.combiner)
+
+    async def serve_endpoint(self, spec: Any) -> str:
+        """Serve this group's ``report`` on ``spec`` (an ``EndpointSpec``; once: a second
+        call answers the same); returns the location its members dial."""
+        from ._tree_endpoint import serve_group
+
+        if self._server is None:
+            self._server = await serve_group(self, spec)
+        return str(self._server.location)
 
     async def info(self) -> dict[str, Any]:
         """Counters; ``cpu_seconds``: this group process's CPU time so far."""

@@ -115,10 +115,12 @@ def test_combined_runs_equal_flat_and_repeat_bit_for_bit(data):
     )
 
 
-def test_a_killed_coordinator_restores_a_tree_run_to_the_same_bits(data, tmp_path):
+@pytest.mark.parametrize("transport", ["ray", "endpoint"])
+def test_a_killed_coordinator_restores_a_tree_run_to_the_same_bits(data, tmp_path, transport):
     """SIGKILL-like exit of the coordinator process (its group actors die with it) at
     alignment 3: Ray restarts it, it reloads the checkpoint of alignment 2, the relaunched
-    tasks find their new groups, and the result is the fault-free run's, bit for bit."""
+    tasks find their new groups (over the endpoint: the new groups' new endpoints), and
+    the result is the fault-free Ray run's, bit for bit."""
     tree = {"feedback_combine": "sum", "feedback_fan_in": 2}
     clean = _run(data, last=4, **tree)
     killed = _run(
@@ -127,6 +129,7 @@ def test_a_killed_coordinator_restores_a_tree_run_to_the_same_bits(data, tmp_pat
         config_kw={
             "checkpoint": hi.CheckpointConfig(str(tmp_path), every_epochs=2),
             "hooks": FaultInjection(kill_coordinator_at=3),
+            "transport": transport,
         },
         **tree,
     )

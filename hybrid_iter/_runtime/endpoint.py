@@ -46,7 +46,7 @@ class EndpointPlan:
     connect_timeout: float
 
     @classmethod
-    def of(cls, config: IterationConfig, spark: Any, tree: Any) -> EndpointPlan | None:
+    def of(cls, config: IterationConfig, spark: Any) -> EndpointPlan | None:
         """The run's endpoint, None when its subtasks use Ray (``transport``)."""
         transport = config.transport
         if transport == "auto":
@@ -55,12 +55,6 @@ class EndpointPlan:
             transport = "endpoint" if is_connect(spark) else "ray"
         if transport != "endpoint":
             return None
-        if tree is not None:
-            raise IterationConfigError(
-                "feedback_combine merges feedback in Ray actors, which subtasks reach through "
-                "Ray only; use IterationConfig(transport='ray') with it, or drop "
-                "feedback_combine"
-            )
         ec = config.endpoint or EndpointConfig()
         token = ec.token or os.environ.get(TOKEN_ENV, "").strip() or secrets.token_hex(32)
         cert, key = _read(ec.tls_cert, "tls_cert"), _read(ec.tls_key, "tls_key")

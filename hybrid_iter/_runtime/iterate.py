@@ -270,7 +270,7 @@ def iterate_bounded_streams_until_termination(
     address = _ray_address(spark)
     per_round = config.operator_lifecycle is OperatorLifecycle.PER_ROUND
     tree = tree_spec(body, config.staleness)  # feedback_combine: refused here if async
-    endpoint = EndpointPlan.of(config, spark, tree)  # None: the subtasks use Ray
+    endpoint = EndpointPlan.of(config, spark)  # None: the subtasks use Ray
 
     from .ray_util import connect
 

@@ -561,7 +561,7 @@ def train(
         transport=transport,
         endpoint=endpoint,
     )
-    served = EndpointPlan.of(config, df.sparkSession, None)  # None: the shards through Ray
+    served = EndpointPlan.of(config, df.sparkSession)  # None: the shards through Ray
     if served is not None:
         # one token for the run: the coordinator's endpoint and every shard's
         config = dataclasses.replace(

@@ -1,0 +1,138 @@
+"""``feedback_combine``'s group aggregators over Arrow Flight: members' calls without Ray.
+
+Over the coordinator endpoint (``IterationConfig(transport="endpoint")``) each
+``GroupAggregator`` actor serves its own Flight endpoint in its own process
+(``serve_group``, the same ``FlightServing`` as the coordinator's: the run's token, its
+TLS certificate, the protocol version handshake), bound on its node's address. The
+coordinator starts them when it starts serving its own endpoint and answers a subtask's
+``group_of`` with its group's location; the subtask then makes its ``report`` calls to
+that location (``GroupLink``), exactly the calls it makes to a group actor through Ray.
+Everything upstream of the groups (the root aggregator, the coordinator's
+``report_group``) is unchanged and goes through Ray, inside the coordinator tier: the
+merge order, hence the bits of a sync run, are those of the Ray path.
+
+What travels is what travels to the coordinator's endpoint: the call's arguments and its
+reply, cloudpickled; a reply's variables were made readable without Ray by the
+coordinator (inline, or an ``EndpointRef`` the subtask streams from the coordinator's
+endpoint), so the group forwards them untouched.
+
+The client side (``GroupLink``) needs pyarrow and cloudpickle only: nothing of Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import cloudpickle
+import pyarrow.flight as flight
+
+from ._endpoint import (
+    PROTOCOL_VERSION,
+    EndpointAddress,
+    EndpointSpec,
+    FlightLink,
+    FlightServing,
+    _split,
+)
+
+__all__ = ["GroupLink", "GroupServer", "group_link", "group_spec", "serve_group"]
+
+#: the one call a member makes to its group (``hello`` is the handshake)
+_GROUP_CALLS = frozenset({"report"})
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def group_spec(spec: EndpointSpec) -> EndpointSpec:
+    """What a group serves on, from the coordinator's ``spec``: the same token and TLS,
+    any free port (never the coordinator's fixed port, nor its ``advertise``, which names
+    that port); every interface when the coordinator binds every interface, else its own
+    node's address (a group may run on another node than the coordinator when the
+    coordinator tier holds no custom resource)."""
+    host = spec.bind.rpartition(":")[0].strip("[]") if spec.bind else ""
+    bind = f"{host}:0" if host in _WILDCARDS and host else ""
+    if host == "::":
+        bind = "[::]:0"
+    return dataclasses.replace(spec, bind=bind, advertise=None)
+
+
+class GroupServer(FlightServing):
+    """Serves ``group`` (a ``GroupAggregator`` whose coroutines run on ``loop``, the
+    actor's event loop) to its members."""
+
+    def __init__(self, group: Any, loop: asyncio.AbstractEventLoop, spec: EndpointSpec) -> None:
+        super().__init__(spec)
+        self.group, self.loop = group, loop
+
+    def do_action(self, context: Any, action: Any) -> Iterator[bytes]:
+        kind = action.type
+        if kind == "hello":
+            return iter([cloudpickle.dumps((PROTOCOL_VERSION, self.id))])
+        if kind not in _GROUP_CALLS:
+            raise flight.FlightServerError(f"unknown call {kind!r}")
+        args = cloudpickle.loads(action.body.to_pybytes())
+        future = asyncio.run_coroutine_threadsafe(getattr(self.group, kind)(*args), self.loop)
+        try:
+            result = future.result()
+        except Exception as ex:  # upstream died: the member fails with the cause
+            raise flight.FlightServerError(f"{type(ex).__name__}: {ex}") from None
+        return iter([cloudpickle.dumps(result, protocol=5)])
+
+
+async def serve_group(group: Any, spec: EndpointSpec) -> GroupServer:
+    """Start ``group``'s server in this process, on the running loop (the actor's).
+    ``spec.bind`` empty: this node's address, any free port; a wildcard host: every
+    interface, advertised as this node's address."""
+    from ._shell import node_ip
+
+    ip = node_ip()
+    here = ip if ip not in ("local", "unknown") else "127.0.0.1"
+    if not spec.bind:
+        spec = dataclasses.replace(spec, bind=f"{here}:0")
+    host, _ = _split(spec.bind, "a feedback group's bind address")
+    loop = asyncio.get_running_loop()
+    server = await loop.run_in_executor(None, GroupServer, group, loop, spec)
+    if spec.advertise is None and host in _WILDCARDS:
+        server.location = f"{server.location.split('://')[0]}://{here}:{server.port}"
+    return server
+
+
+def close_server(server: Any) -> None:
+    if server is not None:
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+
+# -- the client (in a Spark task, without Ray) ---------------------------------------------
+
+
+class GroupLink(FlightLink):
+    """A feedback group reached through its endpoint: a member's ``report`` calls (the
+    variables of a reply are read through the coordinator's link, which the task keeps)."""
+
+    _what = "the feedback group endpoint"
+    _running = "the run's coordinator (it starts its feedback groups)"
+    _lost = " (its group aggregator actor, in the coordinator tier, ended or is unreachable)"
+
+
+#: this process's group links, by (location, token): one client per group, whatever the
+#: number of this process's subtasks that report to it
+_LINKS: dict[tuple[str, str], GroupLink] = {}
+_LOCK = threading.Lock()
+
+
+def group_link(coordinator: EndpointAddress, location: str) -> GroupLink:
+    """The link to the group at ``location``, dialled with the coordinator's token, TLS
+    roots and connect timeout."""
+    key = (location, coordinator.token)
+    with _LOCK:
+        link = _LINKS.get(key)
+    if link is None:
+        link = GroupLink(dataclasses.replace(coordinator, location=location))
+        with _LOCK:
+            if len(_LINKS) >= 256:  # groups of earlier runs
+                _LINKS.clear()
+            link = _LINKS.setdefault(key, link)
+    return link
