@@ -33,6 +33,7 @@ from pyspark.sql import SparkSession
 spark = (SparkSession.builder.master("local[2]")
     .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
     .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+    .config("spark.sql.execution.arrow.maxRecordsPerBatch", "256")  # as the test session
     .config("spark.plugins", "org.apache.spark.sql.connect.SparkConnectPlugin")
     .config("spark.connect.grpc.binding.address", "127.0.0.1")
     .config("spark.connect.grpc.binding.port", sys.argv[1]).getOrCreate())
@@ -240,9 +241,9 @@ def _run(server: _Server, tmp: Path) -> dict:
         from hybrid_iter.ml import KMeans, LinearRegression, LogisticRegression
 
         labelled = cops.with_class(df)
-        lin = LinearRegression(features_col=names, label_col="y").fit(df)
-        log = LogisticRegression(features_col=names, label_col="c").fit(labelled)
-        km = KMeans(features_col=names, k=3, seed=7).fit(df)
+        lin = LinearRegression(features_col=names, label_col="y", parallelism=2).fit(df)
+        log = LogisticRegression(features_col=names, label_col="c", parallelism=2).fit(labelled)
+        km = KMeans(features_col=names, k=3, seed=7, parallelism=2).fit(df)
         return {
             "linear": [*lin.coefficients.tolist(), float(lin.intercept)],
             "logistic": [*log.coefficients.tolist(), float(log.intercept)],

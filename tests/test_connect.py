@@ -104,9 +104,9 @@ def test_ml_estimators_over_connect_equal_the_classic_fits(connect, spark):
     got = _ok(connect, "ml")
     names = feature_names()
     df = features(spark)
-    lin = LinearRegression(features_col=names, label_col="y").fit(df)
-    log = LogisticRegression(features_col=names, label_col="c").fit(with_class(df))
-    km = KMeans(features_col=names, k=3, seed=7).fit(df)
+    lin = LinearRegression(features_col=names, label_col="y", parallelism=2).fit(df)
+    log = LogisticRegression(features_col=names, label_col="c", parallelism=2).fit(with_class(df))
+    km = KMeans(features_col=names, k=3, seed=7, parallelism=2).fit(df)
     np.testing.assert_allclose(
         got["linear"], [*lin.coefficients, lin.intercept], rtol=1e-10, atol=1e-12
     )
