@@ -257,18 +257,22 @@ def _check_spark_version(where: str) -> None:
         raise SessionError(f"{where}: {ex}") from ex
 
 
-#: what a Spark Connect session given to Session.attach lacks (the coordinator endpoint
-#: of DESIGN.md section 2 is the step that lifts it)
-_CONNECT_REFUSED = (
-    "Session.attach(spark) got a Spark Connect session, which hybrid_iter cannot run on "
-    "yet: its Spark tasks reach the coordinator through a Ray raylet on their own host, "
-    "and a Connect client cannot place one beside the cluster's executors or read the "
-    "driver's JVM. What is missing is the coordinator endpoint (a network service beside "
-    "the coordinator that subtasks reach without a local raylet). Use a classic "
-    "SparkSession on the cluster's driver instead: Session.on_spark(spark) starts Ray on "
-    "that Spark cluster, Session.attach(spark, ray_address=...) joins a Ray cluster whose "
-    "raylets run beside the executors"
-)
+def _check_connect(spark: Any) -> None:
+    """A Spark Connect client session for ``Session.attach``: its server's tasks reach
+    the coordinator by the coordinator endpoint (``transport="auto"`` picks it), which
+    needs the barrier stage's DataFrame paths (``repartitionById``, Spark >= 4.1)."""
+    if not _spark_compat.dataframe_barrier_paths(spark):
+        raise SessionError(
+            f"Session.attach(spark) got a Spark Connect session of PySpark "
+            f"{_spark_compat.spark_version_string()}: a Connect client runs the barrier "
+            f"stage by DataFrame operations only (DataFrame.repartitionById, Spark >= 4.1); "
+            f"use Spark >= 4.1, or a classic SparkSession"
+        )
+    # pyspark.sql.functions build Connect columns only in Connect mode, which
+    # SparkSession.builder.remote(...) turns on and pyspark.sql.connect's own builder
+    # does not; a process without a classic SparkContext can only mean Connect
+    if _spark_compat.running_spark_master() is None:
+        os.environ.setdefault("SPARK_CONNECT_MODE_ENABLED", "1")
 
 
 def _short(ex: BaseException) -> str:
@@ -945,18 +949,24 @@ class Session:
         reach; ``None`` uses the Ray instance this driver is already connected to. An
         unreachable or token-protected cluster is a ``SessionError`` within about
         ``connect_timeout`` seconds. ``coordinator_resources`` as in ``raydp``.
+
+        ``spark`` may be a Spark Connect client session (Spark >= 4.1): this process
+        holds the Ray connection and the coordinators; the server's tasks reach their
+        coordinator by its endpoint (``IterationConfig(transport="auto")``), with no Ray
+        of their own. Bounded iterations and the ``hybrid_iter.ml`` estimators run
+        there; ``ps.train`` and ``iterate_unbounded_streams`` are refused before any job
+        (``docs/sessions.md``).
         """
-        from pyspark.sql import SparkSession
 
         _check_spark_version("Session.attach")
-        if _spark_compat.is_connect(spark):
-            raise SessionError(_CONNECT_REFUSED)
         if coordinator_resources is not None:
             coordinator_resources = check_resources(
                 coordinator_resources, "Session.attach(coordinator_resources)"
             )
 
-        if not isinstance(spark, SparkSession):
+        if _spark_compat.is_connect(spark):
+            _check_connect(spark)
+        elif not _spark_compat.is_session(spark):
             raise SessionError(
                 f"Session.attach(spark) needs a pyspark.sql.SparkSession, got {type(spark).__name__}"
             )
@@ -1141,7 +1151,9 @@ class Session:
         """Where this session runs (driver): the Ray cluster, its nodes, the executors.
 
         ``{"kind", "ray_address", "ray_nodes", "ray_head", "spark_master", "executors",
-        "spark_hosts", "task_slots"}`` (``spark_hosts``: the driver's and executors'); the CLI prints it before running anything.
+        "spark_hosts", "task_slots"}`` (``spark_hosts``: the driver's and executors'; these
+        three are None for a Spark Connect client, which cannot see them); the CLI prints
+        it before running anything.
         """
         import ray
 
@@ -1152,16 +1164,20 @@ class Session:
             (n["NodeManagerAddress"] for n in nodes if "node:__internal_head__" in n["Resources"]),
             None,
         )
-        hosts, executors = _spark_compat.executor_hosts(self.spark)  # hosts: the driver's too
+        if _spark_compat.is_connect(self.spark):  # a client sees no executor list or slots
+            hosts, executors, slots = None, None, None
+        else:
+            hosts, executors = _spark_compat.executor_hosts(self.spark)  # the driver's too
+            slots = available_task_slots(self.spark)
         return {
             "kind": self.kind,
             "ray_address": self.ray_address,
             "ray_nodes": len(nodes),
             "ray_head": head,
-            "spark_master": self.spark.sparkContext.master,
+            "spark_master": _spark_compat.spark_master(self.spark),
             "executors": executors,
             "spark_hosts": hosts,
-            "task_slots": available_task_slots(self.spark),
+            "task_slots": slots,
         }
 
     def _start_warm_up(self) -> None:
@@ -1238,5 +1254,5 @@ class Session:
         self.stop()
 
     def __repr__(self) -> str:
-        master = self.spark.sparkContext.master if not self._stopped else "stopped"
+        master = _spark_compat.spark_master(self.spark) if not self._stopped else "stopped"
         return f"Session(kind={self.kind!r}, spark={master!r}, ray={self.ray_address!r})"

@@ -150,6 +150,21 @@ def is_session(spark: Any) -> bool:
     return isinstance(spark, SparkSession) or is_connect(spark)
 
 
+def connect_endpoint(spark: Any) -> str:
+    """``sc://host:port`` of the server a Spark Connect client session talks to (no call)."""
+    builder = spark.client._builder
+    return f"sc://{builder.endpoint}"
+
+
+def spark_master(spark: Any) -> str:
+    """What the session runs on: the master of a classic session; for a Spark Connect
+    client, ``sc://host:port`` of its server (no server call, so it works on a stopped
+    client too)."""
+    if is_connect(spark):
+        return connect_endpoint(spark)
+    return str(spark.sparkContext.master)
+
+
 # -- jobs ----------------------------------------------------------------------------------
 
 
@@ -281,8 +296,46 @@ def _jsc(spark: SparkSession) -> Any:
     return spark.sparkContext._jsc
 
 
+def connect_task_slots(spark: Any) -> int | None:
+    """The task slots of a Spark Connect server's application as its configuration
+    states them (one configuration read, no job): ``local[N]`` -> N, else
+    ``spark.executor.instances`` x ``spark.executor.cores`` / ``spark.task.cpus`` when
+    all are set. None when the configuration does not say (``local[*]``, dynamic
+    allocation, executors sized by the cluster manager): a client cannot list executors."""
+    conf = spark.conf
+    master = str(conf.get("spark.master", None) or "")
+    if master == "local":
+        return 1
+    if master.startswith("local[") and master.endswith("]"):
+        inner = master[len("local[") : -1].split(",")[0]
+        return int(inner) if inner.isdigit() else None
+    instances = conf.get("spark.executor.instances", None)
+    cores = conf.get("spark.executor.cores", None)
+    task_cpus = conf.get("spark.task.cpus", None) or "1"
+    dynamic = str(conf.get("spark.dynamicAllocation.enabled", None) or "false").lower()
+    if dynamic == "true" or not instances or not cores:
+        return None
+    try:
+        return int(instances) * int(cores) // max(1, int(task_cpus))
+    except ValueError:
+        return None
+
+
 def available_task_slots(spark: SparkSession) -> int:
-    """How many tasks can run at once right now (what a barrier stage may use)."""
+    """How many tasks can run at once right now (what a barrier stage may use). A Spark
+    Connect client sees only what the server's configuration says (``connect_task_slots``);
+    when it says nothing, the caller must be told the subtask count."""
+    if is_connect(spark):
+        slots = connect_task_slots(spark)
+        if slots is None:
+            raise UnsupportedSparkVersion(
+                f"a Spark Connect client cannot see the task slots of the server "
+                f"{connect_endpoint(spark)} (its spark.master and spark.executor.instances "
+                f"x spark.executor.cores do not state them): pass the number of subtasks, "
+                f"IterationConfig(parallelism=N) or the estimator's parallelism=N, at most "
+                f"the cluster's free task slots"
+            )
+        return slots
     jsc = _jsc(spark).sc()
     profile = jsc.resourceProfileManager().defaultResourceProfile()
     return int(jsc.maxNumConcurrentTasks(profile))
@@ -329,7 +382,10 @@ def rdd_num_partitions(df: DataFrame) -> int:
 
 def exact_num_partitions(df: DataFrame) -> int | None:
     """The partition count ``df``'s tasks will have when the plan tells it without a
-    Spark job (no adaptive shuffle still to run), else None."""
+    Spark job (no adaptive shuffle still to run), else None (always for a Spark Connect
+    client, which has no plan objects)."""
+    if is_connect(df.sparkSession):
+        return None
     plan = _executed_plan(df)
     if plan.getClass().getSimpleName() != "AdaptiveSparkPlanExec":
         return rdd_num_partitions(df)
@@ -341,7 +397,9 @@ def exact_num_partitions(df: DataFrame) -> int | None:
 def planned_num_partitions(df: DataFrame) -> int | None:
     """The partition count of the adaptive plan's input partitioning (exact for
     ``repartition(n)``, the planned count for a shuffle Spark inserted), None when the
-    plan does not know it (``UnknownPartitioning``)."""
+    plan does not know it (``UnknownPartitioning``) or is out of reach (Spark Connect)."""
+    if is_connect(df.sparkSession):
+        return None
     plan = _executed_plan(df)
     if plan.getClass().getSimpleName() != "AdaptiveSparkPlanExec":
         return rdd_num_partitions(df)

@@ -19,12 +19,45 @@ from coordinator._endpoint import EndpointAddress, EndpointSpec
 from .._config import EndpointConfig, IterationConfig
 from .._errors import IterationConfigError, SessionError
 
-__all__ = ["TOKEN_ENV", "EndpointPlan"]
+__all__ = ["NOT_ON_CONNECT", "TOKEN_ENV", "EndpointPlan", "refuse_on_connect"]
 
 #: the driver's environment variable holding the endpoint token (a Kubernetes Secret's)
 TOKEN_ENV = "HYBRID_ITER_ENDPOINT_TOKEN"
 #: seconds the coordinator may take to start serving
 SERVE_TIMEOUT = 120.0
+
+
+#: what cannot run for a Spark Connect client yet, and why (the tasks of a Connect
+#: server reach the coordinator by its endpoint only, never through Ray)
+NOT_ON_CONNECT = {
+    "ps.train": (
+        "its parameter-server shards are Ray actors that each Spark task calls directly, "
+        "and a Spark Connect server's tasks have no Ray to call them with (only the "
+        "iteration's coordinator is served over the endpoint)"
+    ),
+    "iterate_unbounded_streams": (
+        "its micro-batches run in foreachBatch, a Python process of the Spark Connect "
+        "server, which the driver's closures, its Ray connection and its coordinator "
+        "handle do not reach"
+    ),
+}
+
+
+def refuse_on_connect(what: str, spark: Any) -> None:
+    """``SessionError`` before any job when ``what`` (a key of ``NOT_ON_CONNECT``) is
+    asked of a Spark Connect session."""
+    from spark_ops._spark_compat import connect_endpoint, is_connect
+
+    why = NOT_ON_CONNECT.get(what)
+    if why is None or not is_connect(spark):
+        return
+    raise SessionError(
+        f"{what} cannot run on the Spark Connect session of {connect_endpoint(spark)}: "
+        f"{why}. Run it with a classic SparkSession on the cluster's driver "
+        f"(Session.on_spark(spark), or Session.attach(spark, ray_address=...) with Ray "
+        f"beside the executors); bounded iterations and the hybrid_iter.ml estimators do "
+        f"run on Spark Connect"
+    )
 
 
 def _read(path: str | None, what: str) -> bytes | None:

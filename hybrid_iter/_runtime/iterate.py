@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import re
 import threading
 import time
 import uuid
@@ -186,6 +187,30 @@ def _worker_died(error: BaseException) -> WorkerDiedError | None:
     )
 
 
+def _task_slots(spark: Any, parallelism: int | None) -> int:
+    """The task slots a barrier stage may use. A Spark Connect client knows them only
+    from the server's configuration; when that says nothing, a given ``parallelism`` is
+    taken as the caller's word (Spark itself refuses a barrier stage larger than the
+    cluster), and without one the error asks for it."""
+    from spark_ops._spark_compat import connect_task_slots, is_connect
+
+    if parallelism is not None and is_connect(spark):
+        known = connect_task_slots(spark)
+        return parallelism if known is None else known
+    return available_task_slots(spark)
+
+
+_ENDPOINT_FAILURE = re.compile(r"coordinator\._errors\.(Endpoint\w*): (.+)")
+
+
+def _endpoint_failure(error: BaseException) -> str | None:
+    """The coordinator endpoint's own error (``EndpointError``, ``EndpointAuthError``,
+    ``EndpointVersionMismatch``: it names the address and the fix) in a failed stage's
+    report, if a subtask raised one; the same text from classic and Connect clients."""
+    found = _ENDPOINT_FAILURE.search(spark_error_text(error))
+    return None if found is None else f"{found.group(1)}: {found.group(2).strip()}"
+
+
 #: how long a relaunch waits for lost executors to come back (at most call_timeout)
 SLOT_WAIT_SECONDS = 120.0
 
@@ -204,10 +229,10 @@ def _wait_for_slots(
     and else fail naming the cause (the checkpoints stay for a resume)."""
     limit = min(SLOT_WAIT_SECONDS, float(config.call_timeout))
     deadline = time.monotonic() + limit
-    slots = available_task_slots(spark)
+    slots = _task_slots(spark, config.parallelism)
     while slots < n and time.monotonic() < deadline:
         time.sleep(0.5)  # polling an external registration (executors), bounded
-        slots = available_task_slots(spark)
+        slots = _task_slots(spark, config.parallelism)
     if slots >= n:
         return
     where = ""
@@ -242,7 +267,7 @@ def iterate_bounded_streams_until_termination(
     started_wall = time.time()
     variables, streams, partitions = _validate(init_variables, data_streams, config, body)
     spark = streams.dataframes[0].sparkSession
-    slots = available_task_slots(spark)
+    slots = _task_slots(spark, config.parallelism)
     if slots < 1:
         raise IterationConfigError(
             "Spark has no task slots (no executor is registered); start executors or use "
@@ -719,6 +744,13 @@ class _Monitor:
             died = _worker_died(self.error)
             if died is not None:
                 raise died from self.error
+            endpoint = _endpoint_failure(self.error)
+            if endpoint is not None:  # no subtask reached the coordinator to report it
+                raise IterationFailedError(
+                    f"the iteration failed: a subtask could not use its coordinator: "
+                    f"{endpoint} (Spark's whole report is this error's cause)",
+                    {},
+                ) from self.error
             raise IterationFailedError(
                 f"the Spark stage of the iteration failed: {self.error}", {}
             ) from self.error

@@ -15,6 +15,7 @@ import numpy as np
 
 from coordinator import RuntimeHooks
 from spark_ops import available_task_slots
+from spark_ops._spark_compat import is_connect
 
 from .._body import IterationBody
 from .._config import IterationConfig
@@ -26,6 +27,7 @@ from .._errors import (
 )
 from .._result import IterationResult
 from .._runtime.array_store import forget, plan_reuse
+from .._runtime.endpoint import refuse_on_connect
 from .._runtime.iterate import iterate_bounded_streams_until_termination
 from .._streams import DataStream, ReplayableDataStreamList, _is_dataframe
 from ._features import FeaturePlan
@@ -153,6 +155,7 @@ def check_dataframe(owner: str, df: Any, *, call: str | None = None) -> None:
     call = call or f"{owner}.fit(df)"
     if not _is_dataframe(df):
         raise IterationConfigError(f"{call} needs a pyspark.sql.DataFrame, got {type(df).__name__}")
+    refuse_on_connect(owner, df.sparkSession)  # what cannot run on Spark Connect yet
     if df.isStreaming:
         raise IterationConfigError(
             f"{call} needs bounded data, got a streaming DataFrame; for online "
@@ -193,6 +196,11 @@ def run_iteration(
         max_epochs=max_epochs,
         hooks=hooks,
     )
+    if body.feedback_combine is not None and is_connect(df.sparkSession):
+        # its group actors are Ray actors, which a Connect server's tasks cannot reach:
+        # every partition's feedback goes to the coordinator by the endpoint instead
+        # (the same sums, merged in the coordinator)
+        body = replace(body, feedback_combine=None)
     return iterate_bounded_streams_until_termination(
         init, ReplayableDataStreamList.not_replay(stream), config, body
     )
@@ -267,7 +275,10 @@ def run_with_array_cache(
     ``"spark"``. Arrays found gone mid-fit (``StoredArraysLost``: the store actor or a
     node lost) cost one warning and a rerun from Spark, never the fit; a Python worker
     that died costs one relaunch (``relaunch_if_worker_died``)."""
-    reuse = True
+    # the array cache is a Ray actor the subtasks write to and read from; a Spark
+    # Connect server's tasks have no Ray (they reach the coordinator by its endpoint
+    # only), so a fit there decodes from Spark every time and keeps nothing
+    reuse = not is_connect(df.sparkSession)
     while True:
         run_plan = with_array_cache(df, plan, parallelism, kwargs.get("hooks")) if reuse else plan
         init, body = build(run_plan)

@@ -311,6 +311,13 @@ class BarrierStage:
         n = self.num_subtasks
         df = self.streams[0]
         known = self.partitions
+        if known is None and _spark_compat.is_connect(df.sparkSession):
+            # a Connect client cannot count partitions without a job: route partition j
+            # to subtask j % n by DataFrame operations (the same assignment as a stream
+            # of n partitions read in place, so the same results)
+            self.repartitioned = True
+            frame = _framed(self.streams, [0], n)
+            return _collect_results(_to_subtasks_df(frame, n), self.task)
         if (known if known is not None else _exact_num_partitions(df)) != n:
             df = df.repartition(n)
             self.repartitioned = True

@@ -39,6 +39,7 @@ from ..._body import IterationBody
 from ..._config import IterationConfig
 from ..._errors import IterationConfigError, IterationFailedError
 from ..._streams import ReplayableDataStreamList
+from ..endpoint import refuse_on_connect
 from ..entry import check_online_entry
 from ..metrics import RunMeter, job_description, online_description, online_meter
 from ..placement import actor_class, kill, launch
@@ -274,6 +275,7 @@ def iterate_unbounded_streams(
     variables, stream = check_online_entry(init_variables, data_streams, body)
     df = stream.df
     spark = df.sparkSession
+    refuse_on_connect("iterate_unbounded_streams", spark)
     if cfg.checkpoint_location is not None:  # Spark writes its own files there: can it?
         require_spark_filesystem(
             spark,
