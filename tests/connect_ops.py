@@ -65,5 +65,37 @@ def with_class(df):
     return df.withColumn("c", (F.col("y") > 0).cast("double"))
 
 
-def ps_grad(params, batch):  # never runs: ps.train is refused on Connect first
-    raise AssertionError("ps.train ran on Spark Connect")
+def ps_linreg(params, batch):
+    """``ps.train``'s gradient of the squared error of y ~ X w + b over the ``x*``
+    columns."""
+    names = [f"x{j}" for j in range(len(params["w"]))]
+    X = np.column_stack([batch[n] for n in names])
+    r = X @ params["w"] + params["b"] - batch["y"]
+    return float(r @ r) / (2 * len(r)), {"w": X.T @ r / len(r), "b": r.mean()}
+
+
+def ps_run(df, names, **kw):
+    """The ``ps.train`` run both sides make: its parameters and loss."""
+    from hybrid_iter import ps
+
+    out = ps.train(
+        df,
+        ps_linreg,
+        {"w": np.zeros(len(names)), "b": 0.0},
+        optimizer=ps.SGD(0.1),
+        epochs=2,
+        batch_size=40,
+        columns=[*names, "y"],
+        num_shards=2,
+        parallelism=2,
+        progress=False,
+        **kw,
+    )
+    try:
+        return {
+            "w": out.params["w"].tolist(),
+            "b": float(out.params["b"]),
+            "endpoint_calls": [s.get("endpoint_calls", 0) for s in out.shards],
+        }
+    finally:
+        out.close()

@@ -1,7 +1,7 @@
 """``Session.attach`` of a Spark Connect client: bounded iterations and the ml
-estimators run through the coordinator endpoint with no Ray (nor py4j) beside the
-server's tasks, and give the classic session's results; ``ps.train`` and online
-iterations are refused before any job. One Connect server (``connect_attach_job.py``,
+estimators and ``ps.train`` run through the coordinator's and the shards' endpoints
+with no Ray (nor py4j) beside the server's tasks, and give the classic session's
+results; online iterations are refused before any job. One Connect server (``connect_attach_job.py``,
 a process of its own) serves every check; the classic side runs here."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from checkpoint_job import ROWS
 from connect_attach_job import EPOCHS, feature_names, features
-from connect_ops import WhereLinReg, with_class
+from connect_ops import WhereLinReg, ps_run, with_class
 from fresh_process import run_job
 from ops import GradientDescent, Recorder, RecordingCoordinator
 
@@ -116,9 +116,19 @@ def test_ml_estimators_over_connect_equal_the_classic_fits(connect, spark):
     np.testing.assert_allclose(got["kmeans"], km.cluster_centers, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("what", ["ps_train", "online"])
-def test_what_cannot_run_on_connect_is_refused_before_any_job(connect, what):
-    got = connect[what]
+def test_ps_train_over_connect_equals_the_classic_run_bit_for_bit(connect, spark):
+    # the server's Python workers cannot import Ray: every pull and push went through
+    # the shards' endpoints
+    got = _ok(connect, "ps_train")
+    classic = ps_run(features(spark), feature_names())
+    assert np.array(got["w"]).tobytes() == np.array(classic["w"]).tobytes()
+    assert got["b"] == classic["b"]
+    assert all(calls > 0 for calls in got["endpoint_calls"]), got
+    assert classic["endpoint_calls"] == [0, 0]  # the classic session's tasks used Ray
+
+
+def test_an_online_iteration_on_connect_is_refused_before_any_job(connect):
+    got = connect["online"]
     assert got.get("refused") is True, got
     assert "Spark Connect session of sc://127.0.0.1:" in got["message"]
     assert "classic SparkSession" in got["message"]  # the fix

@@ -30,10 +30,14 @@ SERVE_TIMEOUT = 120.0
 #: what cannot run for a Spark Connect client yet, and why (the tasks of a Connect
 #: server reach the coordinator by its endpoint only, never through Ray)
 NOT_ON_CONNECT = {
-    "ps.train": (
-        "its parameter-server shards are Ray actors that each Spark task calls directly, "
-        "and a Spark Connect server's tasks have no Ray to call them with (only the "
-        "iteration's coordinator is served over the endpoint)"
+    "Model.transform": (
+        "a model with tables scores in Spark tasks that look rows up in its shards through "
+        "Ray, which a Spark Connect server's tasks do not have (training reaches the shards "
+        "by their endpoints; scoring does not yet)"
+    ),
+    "Model.to_dataframe": (
+        "its Spark tasks read each shard's rows through Ray, which a Spark Connect "
+        "server's tasks do not have; Model.save(uri) and Model.lookup(...) run on the driver"
     ),
     "iterate_unbounded_streams": (
         "its micro-batches run in foreachBatch, a Python process of the Spark Connect "
@@ -55,8 +59,8 @@ def refuse_on_connect(what: str, spark: Any) -> None:
         f"{what} cannot run on the Spark Connect session of {connect_endpoint(spark)}: "
         f"{why}. Run it with a classic SparkSession on the cluster's driver "
         f"(Session.on_spark(spark), or Session.attach(spark, ray_address=...) with Ray "
-        f"beside the executors); bounded iterations and the hybrid_iter.ml estimators do "
-        f"run on Spark Connect"
+        f"beside the executors); bounded iterations, the hybrid_iter.ml estimators and "
+        f"ps.train do run on Spark Connect"
     )
 
 

@@ -30,6 +30,7 @@ from coordinator._table_io import (
 from coordinator._tables import Init, TableSpec
 
 from .._errors import IterationConfigError, UsageError
+from .._runtime.endpoint import refuse_on_connect
 from ._client import Shards, TablePlan, step_keys
 from ._csr import CSR
 from ._layout import Layout
@@ -270,6 +271,7 @@ class Model:
         read by one Spark task per shard straight from it (lazily: cache or save the
         DataFrame if you need it after ``close()``)."""
         self._meta(table)
+        refuse_on_connect("Model.to_dataframe", spark)
         self._check_open()
         from pyspark.ml.functions import array_to_vector
         from pyspark.sql import functions as F
@@ -316,6 +318,7 @@ class Model:
                 f"Model.transform: df lacks the column(s) {missing} the model was trained on"
             )
         if self.tables:
+            refuse_on_connect("Model.transform", df.sparkSession)
             self._check_open()
         from pyspark.sql.types import DoubleType, StructField, StructType
 
