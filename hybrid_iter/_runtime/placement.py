@@ -54,6 +54,7 @@ __all__ = [
     "retire_as_spare",
     "spares",
     "take_spare",
+    "take_spares",
 ]
 
 #: The custom resource the k8s manifests put on the head node (also RayDP's app master's).
@@ -216,12 +217,15 @@ def _pool(key: tuple[Any, ...]) -> list[tuple[Any, str]]:
     return _SPARES.setdefault(key, [])
 
 
-def keep_spare(kind: ActorKind, warm: Sequence[str] = (), count: int = 1) -> list[Any]:
+def keep_spare(
+    kind: ActorKind, warm: Sequence[str] = (), count: int = 1, prefix: str = "hybrid_iter.spare"
+) -> list[Any]:
     """Start spare actors of ``kind`` (its class with ``(None, warm=warm)``: idle, with
     the modules ``warm`` imported) until its pool holds ``count`` (at most
-    ``SPARE_POOL``): the next ``take_spare`` finds a process started and its modules
-    imported. Returns the handles started here (``.remote()`` only: nothing waits for
-    them). They belong to this driver and end with it; never raises."""
+    ``SPARE_POOL``), named ``<prefix>.<random>``: the next ``take_spare`` finds a process
+    started and its modules imported. Returns the handles started here (``.remote()``
+    only: nothing waits for them). They belong to this driver and end with it; never
+    raises."""
     from .ray_util import NAMESPACE
 
     started: list[Any] = []
@@ -232,7 +236,7 @@ def keep_spare(kind: ActorKind, warm: Sequence[str] = (), count: int = 1) -> lis
         with _SPARES_LOCK:
             pool = _pool(key)
             while len(pool) < min(count, SPARE_POOL):
-                name = f"hybrid_iter.spare.{uuid.uuid4().hex[:12]}"
+                name = f"{prefix}.{uuid.uuid4().hex[:12]}"
                 handle = kind.options(name=name, namespace=NAMESPACE).remote(None, warm=tuple(warm))
                 pool.append((handle, name))
                 started.append(handle)
@@ -275,6 +279,41 @@ def take_spare(kind: ActorKind, configure: str, *args: Any) -> tuple[Any, str] |
         kill(handle, f"the spare {name}")
         return None
     return handle, name
+
+
+def take_spares(kind: ActorKind, configure: str, args: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """``take_spare`` for several actors at once: per item of ``args``, a spare of
+    ``kind`` with ``configure(*item)`` done on it (every one configured side by side) as
+    ``(handle, name, reply)``, or None where there was no spare or it could not take
+    the run (then launch one; such a spare is killed)."""
+    import ray
+
+    got: list[tuple[Any, str] | None] = []
+    try:
+        key = _spare_key(kind)
+        with _SPARES_LOCK:
+            pool = _pool(key)
+            for _ in args:
+                got.append(pool.pop(0) if pool else None)
+    except Exception:
+        return [None] * len(args)
+    got += [None] * (len(args) - len(got))
+    calls = [
+        None if g is None else getattr(g[0], configure).remote(*a)
+        for g, a in zip(got, args, strict=True)
+    ]
+    out: list[Any] = []
+    for g, call in zip(got, calls, strict=True):
+        if g is None or call is None:
+            out.append(None)
+            continue
+        try:
+            out.append((g[0], g[1], ray.get(call, timeout=120)))
+        except Exception as ex:  # it died, or Ray is gone: start one the usual way
+            log.debug("spare %s unusable: %s", g[1], ex)
+            kill(g[0], f"the spare {g[1]}")
+            out.append(None)
+    return out
 
 
 def retire_as_spare(kind: ActorKind, handle: Any, name: str, method: str = "retire") -> bool:
