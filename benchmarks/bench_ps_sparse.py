@@ -1231,6 +1231,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 COLORS = {
     "ps_sync": "C0",
     "ps_async": "C1",
+    "ps_sync_1shard": "C8",
     "ps_dense": "C4",
     "ps_fm": "C5",
     "numpy": "C2",

@@ -568,12 +568,19 @@ class _WarmUp:
 
     def _shard_spares(self) -> list[Any]:
         """Spare parameter shards of ``ps.train``'s default kind (sync, through Ray, never
-        restarted), as many as its default shard count: idle processes a run configures."""
-        from ._runtime.placement import spares
-        from .ps._train import TABLE_SHARDS, keep_shard_spares, shard_kind
+        restarted), as many as its default shard count of a model with tables: idle
+        processes a run configures."""
+        import ray
 
-        kind = shard_kind(True, None, False, 1)
-        started = keep_shard_spares(kind, TABLE_SHARDS)
+        from spark_ops import available_task_slots
+
+        from ._runtime.placement import spares
+        from .ps._train import keep_shard_spares, shard_kind, table_shards
+
+        slots = max(1, available_task_slots(self.session.spark))
+        count = table_shards(slots, float(ray.cluster_resources().get("CPU", 0.0)))
+        kind = shard_kind(True, None, False, slots)
+        started = keep_shard_spares(kind, count)
         self.report["shard_spares"] = spares(kind)
         return [h.__ray_ready__.remote() for h in started]
 

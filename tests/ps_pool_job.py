@@ -6,8 +6,8 @@ runs Spark and Ray in the test process), with or without the session's warm-up::
 ``main(case)`` reports as one JSON line (prefixed with ``RESULT ``):
 
 * ``warm``: the spare shards the warm-up started; a sync run (``first``): the shards it
-  ran on (actor names, pids) and its model (hex of the float64 bytes); the pool after it;
-  a run whose shard 0 (a spare from the pool) is SIGKILLed from outside mid-run: what it
+  ran on (actor names, pids; ``num_shards`` left to its default) and its model (hex of the float64 bytes); the pool after it;
+  a run whose first shard (a spare from the pool) is SIGKILLed from outside mid-run: what it
   failed with; the pool after it; the same run once more (``after_kill``);
 * ``cold``: the sync run in a session without the warm-up (no spare: its own shards).
 """
@@ -83,7 +83,6 @@ def _train(df: Any, fn: Any = grad) -> Any:
         optimizer=ps.FTRL(alpha=0.5),
         epochs=3,
         batch_size=40,
-        num_shards=2,
         progress=False,
     )
 
@@ -155,6 +154,9 @@ def main(case: str) -> int:
         kind = shard_kind(True, None, False, 2)
         if case == "warm":
             report["warm"] = session.warmed(600)
+        import ray
+
+        report["cluster_cpus"] = float(ray.cluster_resources().get("CPU", 0.0))
         report["spares_before"] = placement.spares(kind)
         _run(df, report, "first")
         report["spares_after_first"] = placement.spares(kind)

@@ -28,17 +28,23 @@ def test_runs_take_the_spare_shards_and_train_the_same_model_as_fresh_ones(tmp_p
     cold_report = got["cold"]
     assert isinstance(cold_report, dict)
 
+    from hybrid_iter.ps._train import table_shards
+
     started = warm["warm"]["shard_spares"]
-    assert len(started) == 2 and not warm["warm"]["errors"], warm["warm"]
+    assert not warm["warm"]["errors"], warm["warm"]
+    # the default shard count of a model with tables on this cluster: the warm-up
+    # started that many spares of the default kind
+    assert len(started) == table_shards(2, warm["cluster_cpus"]) >= 1
     # the first run's shards are the warm-up's processes, configured by the run
     assert warm["spares_before"] == started
     assert warm["first"]["names"] == started
     # and they never go back to the pool: the run's end starts new spares
-    assert len(warm["spares_after_first"]) == 2
+    assert len(warm["spares_after_first"]) == len(started)
     assert not set(warm["spares_after_first"]) & set(started)
     # a session without the warm-up has no spare: the run starts its own shards
     assert cold_report["spares_before"] == []
     assert all(".shard" in n and "spare" not in n for n in cold_report["first"]["names"])
+    assert len(cold_report["first"]["names"]) == len(started)
     assert warm["first"]["model"] == cold_report["first"]["model"]
 
     killed = warm["killed"]

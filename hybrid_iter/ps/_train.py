@@ -91,8 +91,20 @@ __all__ = [
 #: ``num_shards=None`` gives each shard about this many parameters (at most ``_MAX_AUTO``).
 PARAMS_PER_SHARD = 2_500_000
 _MAX_AUTO_SHARDS = 4
-#: ``num_shards=None`` with tables: this many shards (each its own process)
+#: ``num_shards=None`` with tables: at most this many shards (each its own process) ...
 TABLE_SHARDS = 2
+#: ... and more than one only when the Ray cluster has CPUs for every task of the run
+#: plus this many (the coordinator, the driver, a second shard): else the extra shard
+#: only adds a round trip per worker step and a process that competes for the same cores
+_SPARE_CPUS_FOR_SHARDS = 4
+
+
+def table_shards(parallelism: int, cluster_cpus: float) -> int:
+    """The shard count of a model with tables under ``num_shards=None`` (before the dense
+    part's own rule, ``_shard_bounds``): ``TABLE_SHARDS`` when the cluster's CPUs cover
+    the run's ``parallelism`` plus ``_SPARE_CPUS_FOR_SHARDS``, else 1."""
+    return TABLE_SHARDS if cluster_cpus >= parallelism + _SPARE_CPUS_FOR_SHARDS else 1
+
 
 # the client's name where the benchmarks and tests import it from
 _Shards = Shards
@@ -448,8 +460,9 @@ def train(
     * ``epochs``, ``batch_size`` (rows per step of each subtask, ``None``: the whole
       partition), ``shuffle`` (a seeded new order every epoch), ``tol`` (stop once an
       epoch's loss is <= ``tol``).
-    * ``num_shards``: shard actors (``None``: 2 with tables, else one per 2.5 million
-      dense parameters, at most 4).
+    * ``num_shards``: shard actors (``None``: one per 2.5 million dense parameters, at
+      most 4; with tables at least 1, or 2 when Ray's cluster has at least
+      ``parallelism + 4`` CPUs). A sync run's model does not depend on it.
     * ``checkpoint``: ``hi.CheckpointConfig``: the shards are part of every checkpoint
       (each writes its own part, in parallel); a task or shard that dies is relaunched
       (``max_restarts``) and every shard restored from the newest cut.
@@ -531,10 +544,6 @@ def train(
     metrics, patience = _check_eval(
         eval_df, predict_fn, eval_metrics, label_col, early_stopping, [*names, *csr]
     )
-    if num_shards is None:
-        bounds = _shard_bounds(size, None if not tables else TABLE_SHARDS)
-    else:
-        bounds = _shard_bounds(size, num_shards)
     specs = tuple(
         TableSpec(
             t,
@@ -557,6 +566,14 @@ def train(
         raise IterationConfigError("Spark has no task slots; start executors or a Session")
     address = _ray_address(df.sparkSession)
     connect(address, namespace=NAMESPACE)
+    if num_shards is None and tables:
+        import ray
+
+        cpus = float(ray.cluster_resources().get("CPU", 0.0))
+        # the dense part's rule still holds when it asks for more
+        bounds = _shard_bounds(size, max(table_shards(n, cpus), len(_shard_bounds(size, None)) - 1))
+    else:
+        bounds = _shard_bounds(size, num_shards)
     config = IterationConfig(
         staleness=iteration_staleness,
         max_epochs=epochs,
