@@ -135,6 +135,15 @@ def _killed_run(df: Any, victim: str, flags: Path) -> dict[str, Any]:
     return got
 
 
+def _wait_up(names: list[str]) -> None:
+    """Until the spares ``names`` are up: a run takes the spares that are (one still
+    starting stays in the pool), and these were started as the run before ended."""
+    import ray
+
+    for name in names:
+        ray.get(ray.get_actor(name, namespace="hybrid_iter").__ray_ready__.remote(), timeout=300)
+
+
 def _state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -161,9 +170,11 @@ def main(case: str) -> int:
         _run(df, report, "first")
         report["spares_after_first"] = placement.spares(kind)
         if case == "warm":
+            _wait_up(report["spares_after_first"])
             flags = Path(os.environ["HYBRID_ITER_TEST_FLAGS"])
             report["killed"] = _killed_run(df, report["spares_after_first"][0], flags)
             report["spares_after_killed"] = placement.spares(kind)
+            _wait_up(report["spares_after_killed"])
             _run(df, report, "after_kill")
     print(RESULT_PREFIX + json.dumps(report), flush=True)
     return 0

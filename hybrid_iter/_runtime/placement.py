@@ -281,39 +281,50 @@ def take_spare(kind: ActorKind, configure: str, *args: Any) -> tuple[Any, str] |
     return handle, name
 
 
+#: seconds ``take_spares`` waits to learn which spares are up (a round trip to each)
+_READY_CHECK = 0.2
+
+
 def take_spares(kind: ActorKind, configure: str, args: Sequence[tuple[Any, ...]]) -> list[Any]:
-    """``take_spare`` for several actors at once: per item of ``args``, a spare of
-    ``kind`` with ``configure(*item)`` done on it (every one configured side by side) as
-    ``(handle, name, reply)``, or None where there was no spare or it could not take
-    the run (then launch one; such a spare is killed)."""
+    """``take_spare`` for several actors, for callers that would otherwise start actors
+    without waiting for them: per item of ``args``, a spare of ``kind`` that is up (its
+    process started) with ``configure(*item)`` done on it (all side by side), as
+    ``(handle, name, reply)``; None where there is none up, or it could not take the run
+    (then launch one: it starts while the caller goes on, where waiting for a spare
+    still starting would hold the caller up). A spare still starting stays in the pool
+    for a later run; one that failed is killed."""
     import ray
 
-    got: list[tuple[Any, str] | None] = []
+    popped: list[tuple[Any, str]] = []
     try:
         key = _spare_key(kind)
         with _SPARES_LOCK:
             pool = _pool(key)
-            for _ in args:
-                got.append(pool.pop(0) if pool else None)
+            while pool and len(popped) < len(args):
+                popped.append(pool.pop(0))
     except Exception:
         return [None] * len(args)
-    got += [None] * (len(args) - len(got))
-    calls = [
-        None if g is None else getattr(g[0], configure).remote(*a)
-        for g, a in zip(got, args, strict=True)
-    ]
-    out: list[Any] = []
-    for g, call in zip(got, calls, strict=True):
-        if g is None or call is None:
-            out.append(None)
-            continue
+    up: list[tuple[Any, str]] = []
+    if popped:
+        probes = {h.__ray_ready__.remote(): (h, n) for h, n in popped}
         try:
-            out.append((g[0], g[1], ray.get(call, timeout=120)))
+            done, _ = ray.wait(list(probes), num_returns=len(probes), timeout=_READY_CHECK)
+        except Exception:
+            done = []
+        up = [probes[r] for r in probes if r in done]
+        with _SPARES_LOCK:
+            pool = _SPARES.setdefault(key, [])
+            pool[:0] = [got for got in popped if got not in up]  # still starting: kept
+    calls = [getattr(h, configure).remote(*a) for (h, _), a in zip(up, args, strict=False)]
+    out: list[Any] = []
+    for (handle, name), call in zip(up, calls, strict=True):
+        try:
+            out.append((handle, name, ray.get(call, timeout=120)))
         except Exception as ex:  # it died, or Ray is gone: start one the usual way
-            log.debug("spare %s unusable: %s", g[1], ex)
-            kill(g[0], f"the spare {g[1]}")
+            log.debug("spare %s unusable: %s", name, ex)
+            kill(handle, f"the spare {name}")
             out.append(None)
-    return out
+    return out + [None] * (len(args) - len(out))
 
 
 def retire_as_spare(kind: ActorKind, handle: Any, name: str, method: str = "retire") -> bool:
