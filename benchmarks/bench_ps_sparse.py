@@ -24,7 +24,8 @@ Contenders, each at every D unless said:
   next 1,024 rows of both partitions, their gradients weighted by rows and summed per
   id, FTRL on the ids touched), dense arrays of size D indexed by id.
 * ``ps_sync``, ``ps_async``: ``ps.train`` on a ``ps.Table`` (rows created on first
-  touch: D only bounds the ids), 2 Spark tasks x 1,024 rows per step, 2 shards, FTRL
+  touch: D only bounds the ids), 2 Spark tasks x 1,024 rows per step, the default shard
+  count (``num_shards=None``: 1 on a 2-core machine, 2 with CPUs to spare), FTRL
   (alpha 0.2, beta 1, l1 1, l2 1; alpha the best of 0.1, 0.2, 0.4 for the numpy loop).
   Also ``ps_sync`` on the raw 64-bit ids (``dim`` "raw"; not in --quick), and
   ``ps_sync_1shard``: the same on one shard (one call per worker step instead of two).
@@ -1231,6 +1232,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 COLORS = {
     "ps_sync": "C0",
     "ps_async": "C1",
+    "ps_sync_1shard": "C8",
     "ps_dense": "C4",
     "ps_fm": "C5",
     "numpy": "C2",

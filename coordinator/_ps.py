@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,7 +116,41 @@ class _ShardCore:
     class with any ``async def`` an asyncio actor, so the two shells below differ only
     in ``pull``/``push``)."""
 
-    def __init__(self, spec: ShardSpec, put: Callable[[Any], Any] | None = None) -> None:
+    spec: ShardSpec
+
+    def __init__(
+        self,
+        spec: ShardSpec | None,
+        put: Callable[[Any], Any] | None = None,
+        *,
+        warm: Sequence[str] = (),
+    ) -> None:
+        """``spec`` None: a spare, an idle process started ahead of need (its start is
+        the slow part of a launch) with the modules ``warm`` imported; ``configure``
+        makes it a run's shard."""
+        if spec is not None:
+            self._setup(spec, put)
+            return
+        import importlib
+
+        for module in warm:
+            try:
+                importlib.import_module(module)
+            except Exception:  # pragma: no cover - configure reports a real failure
+                pass
+
+    def configure(self, spec: ShardSpec) -> tuple[str | None, int, int]:
+        """Make a spare the shard of ``spec``, exactly as the constructor would have (once;
+        only for shards Ray never restarts: a restart would run the constructor again, as a
+        spare); returns ``hello()``."""
+        if hasattr(self, "spec"):
+            raise UsageError("this parameter shard is configured already")
+        if was_reconstructed():
+            raise UsageError("a restarted spare parameter shard cannot take a run")
+        self._setup(spec, None)
+        return self.hello()
+
+    def _setup(self, spec: ShardSpec, put: Callable[[Any], Any] | None) -> None:
         if put is None:
             try:
                 import ray
@@ -729,9 +763,7 @@ class FreeShard(_ShardCore):
     every call runs straight through without an event loop (less CPU per call than the
     asyncio shell). All public methods are called through Ray."""
 
-    def __init__(self, spec: ShardSpec, put: Callable[[Any], Any] | None = None) -> None:
-        super().__init__(spec, put)
-        self._direct = -1  # the version last sent as an array (not a reference)
+    _direct = -1  # the version last sent as an array (not a reference); ``_fresh`` resets it
 
     def _fresh(self) -> None:
         super()._fresh()

@@ -497,8 +497,8 @@ def _active_jobs(spark: Any) -> list[int]:
 
 class _WarmUp:
     """What every run of a session needs, made ready in a thread of the session once
-    Spark and Ray are up (DESIGN.md section 8): a spare coordinator, the array store,
-    and Spark's Python workers with our modules imported and Ray joined.
+    Spark and Ray are up (DESIGN.md section 8): a spare coordinator, spare parameter
+    shards of ``ps.train``'s default kind, the array store, and Spark's Python workers with our modules imported and Ray joined.
 
     It only starts processes a run would otherwise start on its critical path, and a
     run takes them whether they are ready or still starting (``take_spare``, the array
@@ -517,11 +517,13 @@ class _WarmUp:
         self._background_jobs = set(_active_jobs(session.spark))
         self._tag: Any = None  # the JobTag of its Spark job, once submitted
         self._done = threading.Event()
-        #: what was warmed: ``spare`` and ``store`` (actor names), ``python_workers``
+        #: what was warmed: ``spare`` and ``store`` (actor names), ``shard_spares``
+        #: (the spare parameter shards' actor names), ``python_workers``
         #: (pids), ``errors`` (what could not be warmed, by step), ``seconds``
         self.report: dict[str, Any] = {
             "spare": None,
             "store": None,
+            "shard_spares": [],
             "python_workers": [],
             "errors": {},
             "seconds": None,
@@ -546,7 +548,11 @@ class _WarmUp:
         try:
             ready = [
                 r
-                for r in (self._step("spare", self._spare), self._step("store", self._store))
+                for r in (
+                    self._step("spare", self._spare),
+                    self._step("store", self._store),
+                    *(self._step("shard_spares", self._shard_spares) or ()),
+                )
                 if r is not None
             ]
             self._step("python_workers", self._python_workers)
@@ -563,6 +569,24 @@ class _WarmUp:
         names = spares(kind)
         self.report["spare"] = names[0] if names else None
         return started[0].__ray_ready__.remote() if started else None
+
+    def _shard_spares(self) -> list[Any]:
+        """Spare parameter shards of ``ps.train``'s default kind (sync, through Ray, never
+        restarted), as many as its default shard count of a model with tables: idle
+        processes a run configures."""
+        import ray
+
+        from spark_ops import available_task_slots
+
+        from ._runtime.placement import spares
+        from .ps._train import keep_shard_spares, shard_kind, table_shards
+
+        slots = max(1, available_task_slots(self.session.spark))
+        count = table_shards(slots, float(ray.cluster_resources().get("CPU", 0.0)))
+        kind = shard_kind(True, None, False, slots)
+        started = keep_shard_spares(kind, count)
+        self.report["shard_spares"] = spares(kind)
+        return [h.__ray_ready__.remote() for h in started]
 
     def _store(self) -> Any:
         from ._runtime.array_store import start_store
@@ -1192,7 +1216,8 @@ class Session:
 
     def warmed(self, timeout: float | None = None) -> dict[str, Any] | None:
         """Wait for the background warm-up to end and say what it made ready: ``spare``
-        (the spare coordinator's actor name), ``store`` (the array store's),
+        (the spare coordinator's actor name), ``shard_spares`` (the spare parameter
+        shards'), ``store`` (the array store's),
         ``python_workers`` (the pids of Spark's Python workers that imported our modules
         and joined Ray), ``errors`` (what could not be warmed, by step: a run then starts
         it itself), ``seconds``. None when the session was made with ``warm_up=False``.

@@ -315,7 +315,9 @@ def test_the_coordinator_and_the_ps_shards_run_on_the_drivers_node(job):
     assert job["session"]["coordinator_resources"] == {"node:__internal_head__": 0.001}
     assert job["iteration"]["coordinator_node"] == [head]
     shards = job["ps"]["shard_nodes"]
-    assert len(shards) == 2 and set(shards.values()) == {head}, shards
+    # the run's 2 shards and the spare shards kept for the next run (``hybrid_iter.ps.``
+    # names too): every one on the head
+    assert len(shards) >= 2 and set(shards.values()) == {head}, shards
 
 
 def test_an_ml_fit_reaches_scikit_learns_optimum(job):

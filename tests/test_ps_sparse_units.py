@@ -512,3 +512,32 @@ def test_hot_keys_merges_the_shards_top_keys_into_the_global_top():
     assert got["hottest"] == [(5, 9), (-3, 7), (1, 4)]
     assert got["touches"] == 50 and got["share"] == pytest.approx(20 / 50)
     assert hot_keys([{"tables": {"w": {"hottest": [], "touches": 0}}}])["w"]["share"] == 0.0
+
+
+def test_a_model_with_tables_gets_a_second_shard_only_with_cpus_to_spare():
+    from hybrid_iter.ps._train import TABLE_SHARDS, table_shards
+
+    # 2 tasks on a 2-core cluster: the second shard's round trip and process cost more
+    # than the apply work it takes over
+    assert table_shards(2, 2.0) == 1
+    assert table_shards(2, 5.0) == 1
+    assert table_shards(2, 6.0) == TABLE_SHARDS == 2
+    assert table_shards(8, 64.0) == TABLE_SHARDS
+    assert table_shards(1, 0.0) == 1  # a cluster whose CPUs Ray cannot count
+
+
+@pytest.mark.parametrize("shell", [ParameterShard, FreeShard], ids=["sync", "async"])
+def test_a_configured_spare_shard_is_the_shard_its_constructor_makes(shell):
+    sync = shell is ParameterShard
+    made = _table_shard(shell, sync=sync)
+    spare = shell(None, warm=("json",))
+    assert not hasattr(spare, "spec")  # idle: holds nothing of a run
+    assert spare.configure(made.spec) == made.hello()
+    keys = np.array([7, -3, 2**62])
+    for shard in (made, spare):
+        _run(shard.pull(0, 0, "t0", 0, (keys,)))
+        _run(shard.push(0, 0, 0, None, 3.0, True, False, "t0", (np.ones((3, 2)),), None))
+    np.testing.assert_array_equal(spare.lookup("t0", (keys,))[0], made.lookup("t0", (keys,))[0])
+    assert spare.info()["updates"] == made.info()["updates"] == 1
+    with pytest.raises(hi.UsageError, match="configured already"):
+        spare.configure(made.spec)  # a used shard never takes another run

@@ -54,6 +54,7 @@ __all__ = [
     "retire_as_spare",
     "spares",
     "take_spare",
+    "take_spares",
 ]
 
 #: The custom resource the k8s manifests put on the head node (also RayDP's app master's).
@@ -216,12 +217,15 @@ def _pool(key: tuple[Any, ...]) -> list[tuple[Any, str]]:
     return _SPARES.setdefault(key, [])
 
 
-def keep_spare(kind: ActorKind, warm: Sequence[str] = (), count: int = 1) -> list[Any]:
+def keep_spare(
+    kind: ActorKind, warm: Sequence[str] = (), count: int = 1, prefix: str = "hybrid_iter.spare"
+) -> list[Any]:
     """Start spare actors of ``kind`` (its class with ``(None, warm=warm)``: idle, with
     the modules ``warm`` imported) until its pool holds ``count`` (at most
-    ``SPARE_POOL``): the next ``take_spare`` finds a process started and its modules
-    imported. Returns the handles started here (``.remote()`` only: nothing waits for
-    them). They belong to this driver and end with it; never raises."""
+    ``SPARE_POOL``), named ``<prefix>.<random>``: the next ``take_spare`` finds a process
+    started and its modules imported. Returns the handles started here (``.remote()``
+    only: nothing waits for them). They belong to this driver and end with it; never
+    raises."""
     from .ray_util import NAMESPACE
 
     started: list[Any] = []
@@ -232,7 +236,7 @@ def keep_spare(kind: ActorKind, warm: Sequence[str] = (), count: int = 1) -> lis
         with _SPARES_LOCK:
             pool = _pool(key)
             while len(pool) < min(count, SPARE_POOL):
-                name = f"hybrid_iter.spare.{uuid.uuid4().hex[:12]}"
+                name = f"{prefix}.{uuid.uuid4().hex[:12]}"
                 handle = kind.options(name=name, namespace=NAMESPACE).remote(None, warm=tuple(warm))
                 pool.append((handle, name))
                 started.append(handle)
@@ -275,6 +279,52 @@ def take_spare(kind: ActorKind, configure: str, *args: Any) -> tuple[Any, str] |
         kill(handle, f"the spare {name}")
         return None
     return handle, name
+
+
+#: seconds ``take_spares`` waits to learn which spares are up (a round trip to each)
+_READY_CHECK = 0.2
+
+
+def take_spares(kind: ActorKind, configure: str, args: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """``take_spare`` for several actors, for callers that would otherwise start actors
+    without waiting for them: per item of ``args``, a spare of ``kind`` that is up (its
+    process started) with ``configure(*item)`` done on it (all side by side), as
+    ``(handle, name, reply)``; None where there is none up, or it could not take the run
+    (then launch one: it starts while the caller goes on, where waiting for a spare
+    still starting would hold the caller up). A spare still starting stays in the pool
+    for a later run; one that failed is killed."""
+    import ray
+
+    popped: list[tuple[Any, str]] = []
+    try:
+        key = _spare_key(kind)
+        with _SPARES_LOCK:
+            pool = _pool(key)
+            while pool and len(popped) < len(args):
+                popped.append(pool.pop(0))
+    except Exception:
+        return [None] * len(args)
+    up: list[tuple[Any, str]] = []
+    if popped:
+        probes = {h.__ray_ready__.remote(): (h, n) for h, n in popped}
+        try:
+            done, _ = ray.wait(list(probes), num_returns=len(probes), timeout=_READY_CHECK)
+        except Exception:
+            done = []
+        up = [probes[r] for r in probes if r in done]
+        with _SPARES_LOCK:
+            pool = _SPARES.setdefault(key, [])
+            pool[:0] = [got for got in popped if got not in up]  # still starting: kept
+    calls = [getattr(h, configure).remote(*a) for (h, _), a in zip(up, args, strict=False)]
+    out: list[Any] = []
+    for (handle, name), call in zip(up, calls, strict=True):
+        try:
+            out.append((handle, name, ray.get(call, timeout=120)))
+        except Exception as ex:  # it died, or Ray is gone: start one the usual way
+            log.debug("spare %s unusable: %s", name, ex)
+            kill(handle, f"the spare {name}")
+            out.append(None)
+    return out + [None] * (len(args) - len(out))
 
 
 def retire_as_spare(kind: ActorKind, handle: Any, name: str, method: str = "retire") -> bool:

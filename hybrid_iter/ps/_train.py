@@ -53,7 +53,15 @@ from .._errors import (
 from .._result import IterationResult
 from .._runtime.endpoint import SERVE_TIMEOUT, EndpointPlan
 from .._runtime.iterate import iterate_bounded_streams_until_termination
-from .._runtime.placement import actor_class, kill, launch, launch_held
+from .._runtime.placement import (
+    ActorKind,
+    actor_class,
+    keep_spare,
+    kill,
+    launch,
+    launch_held,
+    take_spares,
+)
 from .._runtime.ray_util import NAMESPACE
 from .._streams import DataStream, ReplayableDataStreamList
 from ..ml._base import (
@@ -83,8 +91,20 @@ __all__ = [
 #: ``num_shards=None`` gives each shard about this many parameters (at most ``_MAX_AUTO``).
 PARAMS_PER_SHARD = 2_500_000
 _MAX_AUTO_SHARDS = 4
-#: ``num_shards=None`` with tables: this many shards (each its own process)
+#: ``num_shards=None`` with tables: at most this many shards (each its own process) ...
 TABLE_SHARDS = 2
+#: ... and more than one only when the Ray cluster has CPUs for every task of the run
+#: plus this many (the coordinator, the driver, a second shard): else the extra shard
+#: only adds a round trip per worker step and a process that competes for the same cores
+_SPARE_CPUS_FOR_SHARDS = 4
+
+
+def table_shards(parallelism: int, cluster_cpus: float) -> int:
+    """The shard count of a model with tables under ``num_shards=None`` (before the dense
+    part's own rule, ``_shard_bounds``): ``TABLE_SHARDS`` when the cluster's CPUs cover
+    the run's ``parallelism`` plus ``_SPARE_CPUS_FOR_SHARDS``, else 1."""
+    return TABLE_SHARDS if cluster_cpus >= parallelism + _SPARE_CPUS_FOR_SHARDS else 1
+
 
 # the client's name where the benchmarks and tests import it from
 _Shards = Shards
@@ -440,8 +460,9 @@ def train(
     * ``epochs``, ``batch_size`` (rows per step of each subtask, ``None``: the whole
       partition), ``shuffle`` (a seeded new order every epoch), ``tol`` (stop once an
       epoch's loss is <= ``tol``).
-    * ``num_shards``: shard actors (``None``: 2 with tables, else one per 2.5 million
-      dense parameters, at most 4).
+    * ``num_shards``: shard actors (``None``: one per 2.5 million dense parameters, at
+      most 4; with tables at least 1, or 2 when Ray's cluster has at least
+      ``parallelism + 4`` CPUs). A sync run's model does not depend on it.
     * ``checkpoint``: ``hi.CheckpointConfig``: the shards are part of every checkpoint
       (each writes its own part, in parallel); a task or shard that dies is relaunched
       (``max_restarts``) and every shard restored from the newest cut.
@@ -523,10 +544,6 @@ def train(
     metrics, patience = _check_eval(
         eval_df, predict_fn, eval_metrics, label_col, early_stopping, [*names, *csr]
     )
-    if num_shards is None:
-        bounds = _shard_bounds(size, None if not tables else TABLE_SHARDS)
-    else:
-        bounds = _shard_bounds(size, num_shards)
     specs = tuple(
         TableSpec(
             t,
@@ -549,6 +566,14 @@ def train(
         raise IterationConfigError("Spark has no task slots; start executors or a Session")
     address = _ray_address(df.sparkSession)
     connect(address, namespace=NAMESPACE)
+    if num_shards is None and tables:
+        import ray
+
+        cpus = float(ray.cluster_resources().get("CPU", 0.0))
+        # the dense part's rule still holds when it asks for more
+        bounds = _shard_bounds(size, max(table_shards(n, cpus), len(_shard_bounds(size, None)) - 1))
+    else:
+        bounds = _shard_bounds(size, num_shards)
     config = IterationConfig(
         staleness=iteration_staleness,
         max_epochs=epochs,
@@ -671,6 +696,10 @@ def train(
         finally:
             if model is None or not model.tables:
                 stop_shards(shards)  # a dense model is all on the driver now
+            if not config.restarts:
+                # the next run of this kind takes processes started now, in the background
+                kind = shard_kind(mode == "sync", staleness_steps, served is not None, n)
+                keep_shard_spares(kind, len(bounds) - 1)
         return TrainResult(model.params, result, info, model)
 
     if checkpoint is not None:
@@ -809,51 +838,90 @@ def _start(
     ``served``: shards that can serve their own endpoint (``serve_shards``), whose
     replies always carry the values (no object-store reference: no Ray on the caller)."""
     run_id = uuid.uuid4().hex[:12]
+    kind = shard_kind(sync, staleness_steps, served, num_workers, max_restarts)
+    # the run's name in the actors' names: findable by it (dashboard, state API)
+    tag = "".join(c if c.isalnum() or c in "-_" else "_" for c in label)[:40] or "train"
+    count = len(bounds) - 1
+    specs = [
+        ShardSpec(
+            shard_id=i,
+            lo=bounds[i],
+            hi=bounds[i + 1],
+            init=flat[bounds[i] : bounds[i + 1]],
+            rule=optimizer.rule,
+            rule_params=optimizer.rule_params(),
+            num_workers=num_workers,
+            sync=sync,
+            tables=tuple(tables),
+            num_shards=count,
+            token=run_id,
+            staleness_steps=staleness_steps,
+            run_id=run_id,
+            key=key,
+            inline_limit=sys.maxsize if served else INLINE_LIMIT,
+        )
+        for i in range(count)
+    ]
+    # a shard Ray never restarts may be a spare of its kind (started ahead: the session's
+    # warm-up, or the previous run's refill), configured with this run's spec as its
+    # constructor would have been; a restart would run the constructor again, with no
+    # spec, so shards that may restart are always started here
+    pooled: list[Any] = [None] * count
+    if not max_restarts:
+        pooled = take_spares(kind, "configure", [(spec,) for spec in specs])
+    names: list[str] = []
+    handles: list[Any] = []
+    held: list[Any] = []
+    try:
+        for i, spec in enumerate(specs):
+            if pooled[i] is not None:
+                handle, name, _ = pooled[i]
+            else:
+                name = f"hybrid_iter.ps.{tag}.{run_id}.shard{i}"
+                if max_restarts:
+                    launched = launch_held(kind, name, spec)
+                    handle = launched.handle
+                    held.append(launched)
+                else:
+                    handle = launch(kind, name, spec)
+            names.append(name)
+            handles.append(handle)
+        started = [h.hello.remote() for h in handles]
+    except BaseException:
+        stop_shards(handles)
+        stop_shards([p[0] for p in pooled if p is not None and p[0] not in handles])
+        raise
+    return names, handles, held, started
+
+
+#: the name prefix of spare shards (``keep_shard_spares``)
+SPARE_PREFIX = "hybrid_iter.ps.spare"
+
+
+def shard_kind(
+    sync: bool,
+    staleness_steps: int | None,
+    served: bool,
+    num_workers: int,
+    max_restarts: int = 0,
+) -> ActorKind:
+    """The actor class and options of a run's shards (the spare pool's key)."""
     # sync mode: an asyncio actor whose pulls wait for a step; async mode: a plain actor,
     # one call at a time with no event loop in between (nothing ever waits there)
     waits = sync or staleness_steps is not None
     concurrency = max(1000, 4 * num_workers + 16) if waits else 1
-    shard_cls = actor_class(
+    return actor_class(
         shard_class(sync, staleness_steps, served=served),
         max_concurrency=concurrency,
         max_restarts=max_restarts,
     )
-    # the run's name in the actors' names: findable by it (dashboard, state API)
-    tag = "".join(c if c.isalnum() or c in "-_" else "_" for c in label)[:40] or "train"
-    names = [f"hybrid_iter.ps.{tag}.{run_id}.shard{i}" for i in range(len(bounds) - 1)]
-    handles: list[Any] = []
-    held: list[Any] = []
-    try:
-        for i, name in enumerate(names):
-            lo, hi = bounds[i], bounds[i + 1]
-            spec = ShardSpec(
-                shard_id=i,
-                lo=lo,
-                hi=hi,
-                init=flat[lo:hi],
-                rule=optimizer.rule,
-                rule_params=optimizer.rule_params(),
-                num_workers=num_workers,
-                sync=sync,
-                tables=tuple(tables),
-                num_shards=len(names),
-                token=run_id,
-                staleness_steps=staleness_steps,
-                run_id=run_id,
-                key=key,
-                inline_limit=sys.maxsize if served else INLINE_LIMIT,
-            )
-            if max_restarts:
-                launched = launch_held(shard_cls, name, spec)
-                handles.append(launched.handle)
-                held.append(launched)
-            else:
-                handles.append(launch(shard_cls, name, spec))
-        started = [h.hello.remote() for h in handles]
-    except BaseException:
-        stop_shards(handles)
-        raise
-    return names, handles, held, started
+
+
+def keep_shard_spares(kind: ActorKind, count: int) -> list[Any]:
+    """Start spare shards of ``kind`` until its pool holds ``count`` (at most
+    ``SPARE_POOL``): idle processes the next run of that kind configures (driver; never
+    raises, never waits)."""
+    return keep_spare(kind, count=count, prefix=SPARE_PREFIX)
 
 
 def serve_shards(
