@@ -43,6 +43,7 @@ from ._protocol import Emissions, Progress, Reply, ResultData
 from ._shell import (
     LOADING,
     ProgressWaiters,
+    import_ahead,
     node_ip,
     object_store,
     startup_failure,
@@ -74,13 +75,7 @@ class IterationCoordinator(EndpointServing):
         if spec is not None:
             self._setup(spec, put)
             return
-        import importlib
-
-        for module in warm:
-            try:
-                importlib.import_module(module)
-            except Exception:  # pragma: no cover - configure reports a real failure
-                pass
+        import_ahead(warm)
 
     def configure(self, spec: CoordinatorSpec) -> None:
         """Make a spare the coordinator of ``spec``'s run, as the constructor would have

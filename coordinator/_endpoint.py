@@ -706,6 +706,29 @@ _CACHED = 4
 VERSIONS = _VersionCache()
 
 
+#: bind hosts that mean every interface: a server bound so is advertised by its node's address
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+async def start_server(server_cls: Any, owner: Any, spec: EndpointSpec, what: str) -> Any:
+    """``server_cls(owner, loop, spec)`` started in this actor's process, on its running
+    loop. ``spec.bind`` empty: this node's address, any free port; a wildcard host: every
+    interface, advertised as this node's address. ``what`` names the bind address in
+    errors."""
+    from ._shell import node_ip
+
+    ip = node_ip()
+    here = ip if ip not in ("local", "unknown") else "127.0.0.1"
+    if not spec.bind:
+        spec = dataclasses.replace(spec, bind=f"{here}:0")
+    host, _ = _split(spec.bind, what)
+    loop = asyncio.get_running_loop()
+    server = await loop.run_in_executor(None, server_cls, owner, loop, spec)
+    if spec.advertise is None and host in WILDCARDS:
+        server.location = f"{server.location.split('://')[0]}://{here}:{server.port}"
+    return server
+
+
 def open_client(address: EndpointAddress, protocol: int = PROTOCOL_VERSION) -> tuple[Any, Any]:
     """A Flight client of ``address`` (TLS when its location says so) and the call options
     every call carries: the run's token and this side's protocol version."""

@@ -64,7 +64,7 @@ from ._errors import (
 from ._finite import first_nonfinite
 from ._ps_endpoint import ShardServing
 from ._rules import AdagradRule, AdamRule, FTRLRule, SGDRule, _Scratch, make_rule
-from ._shell import was_reconstructed
+from ._shell import import_ahead, was_reconstructed
 from ._table_io import read_part, write_part
 from ._tables import Table, TableSpec, shard_of
 from ._variables import INLINE_LIMIT, OncePerVersion
@@ -131,13 +131,7 @@ class _ShardCore:
         if spec is not None:
             self._setup(spec, put)
             return
-        import importlib
-
-        for module in warm:
-            try:
-                importlib.import_module(module)
-            except Exception:  # pragma: no cover - configure reports a real failure
-                pass
+        import_ahead(warm)
 
     def configure(self, spec: ShardSpec) -> tuple[str | None, int, int]:
         """Make a spare the shard of ``spec``, exactly as the constructor would have (once;

@@ -23,7 +23,6 @@ The client side (``ShardClient``) needs pyarrow and cloudpickle only: nothing of
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import inspect
 import pickle
 import struct
@@ -40,9 +39,9 @@ from ._endpoint import (
     EndpointAddress,
     EndpointSpec,
     FlightServing,
-    _split,
     handshake,
     open_client,
+    start_server,
 )
 from ._errors import EndpointError, HybridIterError
 
@@ -156,9 +155,6 @@ class ShardServer(FlightServing):
         return iter([flight.Result(pa.py_buffer(body))])
 
 
-_WILDCARDS = ("0.0.0.0", "::", "")
-
-
 class ShardServing:
     """Mixed into the shard actors of a run over the endpoint: ``serve_endpoint`` starts
     the shard's server in its process, on the actor's event loop (``async``: Ray makes
@@ -172,17 +168,7 @@ class ShardServing:
         the location workers dial. ``spec.bind`` empty: this node's address, any free
         port; a wildcard host: every interface, advertised as this node's address."""
         if self._server is None:
-            from ._shell import node_ip
-
-            ip = node_ip()
-            here = ip if ip not in ("local", "unknown") else "127.0.0.1"
-            if not spec.bind:
-                spec = dataclasses.replace(spec, bind=f"{here}:0")
-            host, _ = _split(spec.bind, "a parameter shard's bind address")
-            loop = asyncio.get_running_loop()
-            server = await loop.run_in_executor(None, ShardServer, self, loop, spec)
-            if spec.advertise is None and host in _WILDCARDS:
-                server.location = f"{server.location.split('://')[0]}://{here}:{server.port}"
+            server = await start_server(ShardServer, self, spec, "a parameter shard's bind address")
             self._server = server
         return self._server.location
 

@@ -6,7 +6,7 @@ Ray every helper answers as if there were none."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._core import COORDINATOR
@@ -111,6 +111,18 @@ def quiet_get(ref: Any) -> Any:
         return ray.get(ref)
     finally:
         ray_worker.blocking_get_inside_async_warned = warned
+
+
+def import_ahead(modules: Sequence[str]) -> None:
+    """A spare actor's imports of what it will likely need: each one that fails is left
+    for the real use to report."""
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception:  # pragma: no cover - configure reports a real failure
+            pass
 
 
 def node_ip() -> str:

@@ -32,18 +32,18 @@ import pyarrow.flight as flight
 
 from ._endpoint import (
     PROTOCOL_VERSION,
+    WILDCARDS,
     EndpointAddress,
     EndpointSpec,
     FlightLink,
     FlightServing,
-    _split,
+    start_server,
 )
 
 __all__ = ["GroupLink", "GroupServer", "group_link", "group_spec", "serve_group"]
 
 #: the one call a member makes to its group (``hello`` is the handshake)
 _GROUP_CALLS = frozenset({"report"})
-_WILDCARDS = ("0.0.0.0", "::", "")
 
 
 def group_spec(spec: EndpointSpec) -> EndpointSpec:
@@ -53,7 +53,7 @@ def group_spec(spec: EndpointSpec) -> EndpointSpec:
     node's address (a group may run on another node than the coordinator when the
     coordinator tier holds no custom resource)."""
     host = spec.bind.rpartition(":")[0].strip("[]") if spec.bind else ""
-    bind = f"{host}:0" if host in _WILDCARDS and host else ""
+    bind = f"{host}:0" if host in WILDCARDS and host else ""
     if host == "::":
         bind = "[::]:0"
     return dataclasses.replace(spec, bind=bind, advertise=None)
@@ -86,17 +86,9 @@ async def serve_group(group: Any, spec: EndpointSpec) -> GroupServer:
     """Start ``group``'s server in this process, on the running loop (the actor's).
     ``spec.bind`` empty: this node's address, any free port; a wildcard host: every
     interface, advertised as this node's address."""
-    from ._shell import node_ip
-
-    ip = node_ip()
-    here = ip if ip not in ("local", "unknown") else "127.0.0.1"
-    if not spec.bind:
-        spec = dataclasses.replace(spec, bind=f"{here}:0")
-    host, _ = _split(spec.bind, "a feedback group's bind address")
-    loop = asyncio.get_running_loop()
-    server = await loop.run_in_executor(None, GroupServer, group, loop, spec)
-    if spec.advertise is None and host in _WILDCARDS:
-        server.location = f"{server.location.split('://')[0]}://{here}:{server.port}"
+    server: GroupServer = await start_server(
+        GroupServer, group, spec, "a feedback group's bind address"
+    )
     return server
 
 
