@@ -40,7 +40,8 @@ class Collect(hi.CoordinatorOperator):
 def main() -> int:
     rows, cols = 200_000, 10
     conf = {"spark.memory.fraction": "0.02", "spark.memory.storageFraction": "0.5"}
-    with hi.Session.local(2, driver_memory="512m", spark_conf=conf) as session:
+    # warm_up=False: the warm-up's processes are not what this job measures
+    with hi.Session.local(2, driver_memory="512m", spark_conf=conf, warm_up=False) as session:
         # random values: the cache cannot shrink them by compression
         df = session.spark.range(rows, numPartitions=4).selectExpr(
             *[f"rand({j}) as c{j}" for j in range(cols)]

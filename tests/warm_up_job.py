@@ -7,12 +7,11 @@ shared session already runs Spark and Ray in the test process)::
 
 * ``same``: fits right after the session returns (the warm-up still running, or not)
   and the same fits once it has ended, each from Spark (the array cache emptied first);
-  their models, as hex of the float64 bytes;
+  their models, as hex of the float64 bytes; and whether the warm-up had submitted its
+  Spark job before the fits, after the user's first jobs (it waits for a quiet Spark,
+  held here for ever, or a run's coming);
 * ``taken``: what the warm-up made ready, and what the first fit and the first
   ``iterate`` ran on: the spare pool, the array store, the Python workers' pids;
-* ``yields``: a user's Spark job right after the session returns, then an ``iterate``;
-  whether the warm-up had submitted its job before the user's job ended (it waits for a
-  quiet Spark, held here for ever), and what the iterate then ran on;
 * ``closed``: the session stopped while the warm-up's Spark job runs (its tasks held in
   ``warm_up_block``'s import until the stop); what stop raised and what was left.
 """
@@ -135,20 +134,13 @@ def main(case: str) -> int:
         print(RESULT_PREFIX + json.dumps(report), flush=True)
         return 0
 
-    if case == "yields":
-        # Spark never counts as quiet here: only the run's coming starts the warm-up's job
+    if case == "same":
+        # Spark never counts as quiet here: only the fits' coming starts the warm-up's job
         _session._QUIET_BEFORE_WARM_UP = float("inf")
-        with hi.Session.local(2) as session:
-            session.spark.range(0, 1000, 1, 2).selectExpr("sum(id)").collect()
-            report["warm_up_job_before_run"] = session._warm._tag is not None
-            report["iterate_pids"] = _iterate_pids(session.spark)
-            report["warm"] = session.warmed(600)
-        print(RESULT_PREFIX + json.dumps(report), flush=True)
-        return 0
-
     with hi.Session.local(2) as session:
         df = _data(session.spark)
         if case == "same":
+            report["warm_up_job_before_run"] = session._warm._tag is not None
             report["during"] = _fits(df)
             report["warm"] = session.warmed(600)
             report["after"] = _fits(df)
