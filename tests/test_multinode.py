@@ -187,8 +187,10 @@ def test_coordinator_and_ps_shards_run_on_the_head_executors_on_the_workers(run)
     coordinators = [a for a in actors if a["class"].endswith("IterationCoordinator")]
     shards = [a for a in actors if a["class"].endswith("ParameterShard")]
     # the runs without checkpoints share one coordinator process (a coordinator whose run
-    # ended well serves the driver's next run); the run with the kill has its own
-    assert len(coordinators) >= 2 and len(shards) == 2, [a["class"] for a in actors]
+    # ended well serves the driver's next run); the run with the kill has its own. The
+    # run's 2 shards, and the spare shard processes of the launcher's pool (placed as
+    # shards are), are all on the head
+    assert len(coordinators) >= 2 and len(shards) >= 2, [a["class"] for a in actors]
     assert {a["node"] for a in coordinators + shards} == {head}
     assert run["linreg_coordinator_nodes"] == run["after_kill_coordinator_nodes"] == [head]
     # RayDP's app master owns the executors: on a worker node, losing that node would end
