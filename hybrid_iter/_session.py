@@ -448,11 +448,11 @@ _WORKER_MODULES = (
 )
 #: what a spare coordinator imports ahead: the coordinator operators of the fits
 _COORDINATOR_MODULES = ("hybrid_iter.ml",)
-#: seconds Spark must have run no job before the warm-up submits its own: its tasks hold
-#: every task slot while they import, and a user's first action right after the session
-#: returns (a cold JVM plans its first query for a second or more) must not queue behind
-#: them. A run of ours does not wait for this (``python_tasks_coming``): its tasks want
-#: exactly those warmed workers.
+#: seconds Spark must have run no job before the warm-up starts: its Spark job's tasks
+#: hold every task slot while they import, its actors' starts take CPU, and a user's first
+#: action right after the session returns (a cold JVM plans its first query for a second
+#: or more) must not queue behind them. A run of ours does not wait for this
+#: (``Session._runs_coming``): it wants exactly what the warm-up makes.
 _QUIET_BEFORE_WARM_UP = 2.0
 
 
@@ -546,6 +546,9 @@ class _WarmUp:
     def _run(self) -> None:
         started = time.perf_counter()
         try:
+            # every step waits for a quiet Spark (or a run's coming): its processes' starts
+            # and imports are CPU that a user's first action needs on a small machine
+            self._step("quiet", lambda: self._wait_for_quiet_spark(self.session.spark))
             ready = [
                 r
                 for r in (
@@ -605,7 +608,6 @@ class _WarmUp:
         from spark_ops import available_task_slots
 
         spark = self.session.spark
-        self._wait_for_quiet_spark(spark)
         n = max(1, available_task_slots(spark))
         schema = T.StructType([T.StructField("pid", T.LongType())])
         fn = functools.partial(_warm_python_worker, self.session.ray_address, _WORKER_MODULES)
