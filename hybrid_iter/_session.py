@@ -453,7 +453,7 @@ _COORDINATOR_MODULES = ("hybrid_iter.ml",)
 #: action right after the session returns (a cold JVM plans its first query for a second
 #: or more) must not queue behind them. A run of ours does not wait for this
 #: (``Session._runs_coming``): it wants exactly what the warm-up makes.
-_QUIET_BEFORE_WARM_UP = 2.0
+_QUIET_BEFORE_WARM_UP = 5.0
 
 
 def _warm_python_worker(
