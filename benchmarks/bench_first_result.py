@@ -8,7 +8,13 @@ JVM and one Ray), interleaved, ``--repeats`` times per contender:
 * ``ray``: ``ray.init(address="local", _node_ip_address="127.0.0.1")`` then one task;
 * ``sequential``: a script doing both by hand, Ray first then Spark, then both actions;
 * ``session``: ``hybrid_iter.Session.local(N)`` (Spark's JVM in a thread while Ray
-  starts), then both actions.
+  starts, mapping the JVM class archive), then both actions;
+* ``session_no_archive``: the same with ``HYBRID_ITER_CLASS_ARCHIVE=0``: a machine's
+  first session, before any archive was made.
+
+The JVM class archive (``spark_ops._class_archive``) is made first, as a session's
+warm-up makes it in the background but waited for (its seconds are reported), in the
+cache directory a user's sessions use.
 
 Each process times itself from before its first import of pyspark / ray to the end of
 its actions (interpreter start-up is not counted, the same for all). Reported: the
@@ -56,7 +62,7 @@ RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
 from _harness import ratio, write_report  # noqa: E402
 
-KINDS = ("spark", "ray", "sequential", "session")
+KINDS = ("spark", "ray", "sequential", "session", "session_no_archive")
 
 
 def _spark(n: int) -> Any:
@@ -114,7 +120,7 @@ def worker(kind: str, n: int) -> dict[str, Any]:
         _ray_action()
         took = time.perf_counter() - t0
         spark.stop()
-    else:
+    else:  # session, or session_no_archive (HYBRID_ITER_CLASS_ARCHIVE=0 from _fresh)
         import hybrid_iter as hi
 
         with hi.Session.local(n) as session:
@@ -124,13 +130,16 @@ def worker(kind: str, n: int) -> dict[str, Any]:
     return {"kind": kind, "seconds": took}
 
 
-def _fresh(call: str) -> dict[str, Any]:
+def _fresh(call: str, **more_env: str) -> dict[str, Any]:
     """``bench_first_result.<call>`` in a fresh process; its RESULT line."""
     env = {
         **os.environ,
         "PYSPARK_PYTHON": sys.executable,
         "SPARK_LOCAL_IP": "127.0.0.1",
         "RAY_USAGE_STATS_ENABLED": "0",
+        # Ray's servers on 127.0.0.1 only, for every contender (what Session.local sets)
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        **more_env,
     }
     env.pop("RAY_ADDRESS", None)
     code = (
@@ -148,7 +157,22 @@ def _fresh(call: str) -> dict[str, Any]:
 
 
 def _run_fresh(kind: str, n: int) -> float:
-    return float(_fresh(f"worker({kind!r}, {n})")["seconds"])
+    off = {"HYBRID_ITER_CLASS_ARCHIVE": "0"} if kind == "session_no_archive" else {}
+    return float(_fresh(f"worker({kind!r}, {n})", **off)["seconds"])
+
+
+def make_class_archive() -> dict[str, Any]:
+    """The JVM class archive a ``Session.local(n)`` maps, made as a session's warm-up
+    makes it (``spark_ops._class_archive.Creator``) but waited for; its seconds."""
+    from hybrid_iter._session import _SparkStart
+    from spark_ops import _class_archive
+
+    t0 = time.perf_counter()
+    key = _SparkStart(2, "hybrid_iter", "1g", 2, None).archive_key
+    if key is None:
+        return {"made": False, "seconds": 0.0, "why": "found, or none can be made"}
+    code = _class_archive.Creator(key, {}).wait(1800)
+    return {"made": code == 0, "seconds": time.perf_counter() - t0, "exit_code": code}
 
 
 # -- first fit and refit on flights ------------------------------------------------------------
@@ -386,6 +410,9 @@ def entry_worker(kind: str, warm_up: bool, calls: int, n: int) -> dict[str, Any]
 
 def _startup(repeats: int, n: int) -> dict[str, Any]:
     runs: dict[str, list[float]] = {k: [] for k in KINDS}
+    # the archive a machine's first session makes in the background, for the later ones
+    archive = _fresh("make_class_archive()")
+    print(f"JVM class archive made in {archive['seconds']:.1f} s: {archive}", flush=True)
     _run_fresh("session", n)  # warm-up: the OS's file caches, the same for all
     for r in range(repeats):
         for kind in KINDS:
@@ -396,8 +423,10 @@ def _startup(repeats: int, n: int) -> dict[str, Any]:
     return {
         "runs_s": runs,
         "median_s": med,
+        "class_archive": archive,
         "ratios": {
             "session_over_slower_side": ratio(med["session"], slower),
+            "session_no_archive_over_slower_side": ratio(med["session_no_archive"], slower),
             "session_over_sequential": ratio(med["session"], med["sequential"]),
             "sequential_over_slower_side": ratio(med["sequential"], slower),
         },

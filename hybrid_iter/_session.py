@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
-from spark_ops import _spark_compat
+from spark_ops import _class_archive, _spark_compat
 
 from ._errors import SessionError
 from ._runtime.placement import check_resources
@@ -382,6 +382,13 @@ class _SparkStart:
             **dict(spark_conf or {}),
         }
         self.launched_jvm = not _spark_compat.jvm_launched()
+        #: the key of the JVM class archive a background process of the session's warm-up
+        #: makes for the next starts (``spark_ops._class_archive``): none was found
+        self.archive_key: str | None = None
+        if self.launched_jvm:
+            options, self.archive_key = _class_archive.java_options(self.conf)
+            if options is not None:
+                self.conf["spark.driver.extraJavaOptions"] = options
         #: what becomes of Ray if Spark fails (said in the error)
         self.ray_fate = "was stopped"
         self._spark: Any = None
@@ -451,8 +458,9 @@ _COORDINATOR_MODULES = ("hybrid_iter.ml",)
 #: seconds Spark must have run no job before the warm-up starts: its Spark job's tasks
 #: hold every task slot while they import, its actors' starts take CPU, and a user's first
 #: action right after the session returns (a cold JVM plans its first query for a second
-#: or more) must not queue behind them. A run of ours does not wait for this
-#: (``Session._runs_coming``): it wants exactly what the warm-up makes.
+#: or more) must not queue behind them. A run of ours coming counts as a job
+#: (``Session._runs_coming``): it starts what it needs itself, and the warm-up's other
+#: steps (the store, spare shards, its Spark job) would only take CPU from it.
 _QUIET_BEFORE_WARM_UP = 5.0
 
 
@@ -510,12 +518,14 @@ class _WarmUp:
         self.tag_name = f"hybrid_iter.warm_up.{id(self):x}"
         self._lock = threading.Lock()
         self._stopping = False
-        self._hurried = False
-        self._wake = threading.Event()  # a stop, or a run that wants the workers now
+        #: when a run of ours last said it was coming (``run_coming``), monotonic
+        self._run_coming_at = float("-inf")
+        self._wake = threading.Event()  # a stop
         #: Spark jobs that run for the session's whole life (Ray on Spark's nodes are the
         #: tasks of one): running before the session returned, they are not a user's
         self._background_jobs = set(_active_jobs(session.spark))
         self._tag: Any = None  # the JobTag of its Spark job, once submitted
+        self._creator: _class_archive.Creator | None = None
         self._done = threading.Event()
         #: what was warmed: ``spare`` and ``store`` (actor names), ``shard_spares``
         #: (the spare parameter shards' actor names), ``python_workers``
@@ -525,6 +535,7 @@ class _WarmUp:
             "store": None,
             "shard_spares": [],
             "python_workers": [],
+            "class_archive": None,
             "errors": {},
             "seconds": None,
         }
@@ -546,8 +557,8 @@ class _WarmUp:
     def _run(self) -> None:
         started = time.perf_counter()
         try:
-            # every step waits for a quiet Spark (or a run's coming): its processes' starts
-            # and imports are CPU that a user's first action needs on a small machine
+            # every step waits for a quiet Spark and no run of ours coming: its processes'
+            # starts and imports are CPU that a user's first action needs on a small machine
             self._step("quiet", lambda: self._wait_for_quiet_spark(self.session.spark))
             ready = [
                 r
@@ -560,6 +571,7 @@ class _WarmUp:
             ]
             self._step("python_workers", self._python_workers)
             self._step("ready", lambda: self._wait_ready(ready))
+            self._step("class_archive", self._class_archive)
         finally:
             self.report["seconds"] = time.perf_counter() - started
             self._done.set()
@@ -591,6 +603,19 @@ class _WarmUp:
         self.report["shard_spares"] = spares(kind)
         return [h.__ray_ready__.remote() for h in started]
 
+    def _class_archive(self) -> None:
+        """Start making the JVM class archive the next ``Session.local`` maps, when this
+        one's JVM found none (a background process at the lowest CPU priority; a stop
+        before it ends ends it, and the next session tries again)."""
+        wanted = self.session._class_archive
+        if wanted is None:
+            return
+        with self._lock:
+            if self._stopping:
+                return
+            self._creator = _class_archive.Creator(*wanted)
+        self.report["class_archive"] = "making"
+
     def _store(self) -> Any:
         from ._runtime.array_store import start_store
 
@@ -621,20 +646,22 @@ class _WarmUp:
         self.report["python_workers"] = sorted({int(r.pid) for r in rows})
 
     def _wait_for_quiet_spark(self, spark: Any) -> None:
-        """Until Spark has run no job but the background ones for ``_QUIET_BEFORE_WARM_UP``
-        seconds, a run of ours is about to start tasks (``hurry``), or the session stops."""
+        """Until neither Spark has run a job (but the background ones) nor a run of ours
+        has said it was coming (``run_coming``) for ``_QUIET_BEFORE_WARM_UP`` seconds,
+        or the session stops."""
         quiet_since = time.monotonic()
-        while not (self._stopping or self._hurried):
+        while not self._stopping:
+            now = time.monotonic()
             if set(_active_jobs(spark)) - self._background_jobs:
-                quiet_since = time.monotonic()
-            elif time.monotonic() - quiet_since >= _QUIET_BEFORE_WARM_UP:
+                quiet_since = now
+            elif now - max(quiet_since, self._run_coming_at) >= _QUIET_BEFORE_WARM_UP:
                 return
-            self._wake.wait(0.05)  # polling Spark's job list; a stop or hurry wakes it
+            self._wake.wait(0.05)  # polling Spark's job list; a stop wakes it
 
-    def hurry(self) -> None:
-        """A run of this session is about to start Spark tasks: warm its workers now."""
-        self._hurried = True
-        self._wake.set()
+    def run_coming(self) -> None:
+        """A run of this session is about to start: the warm-up yet to start waits for a
+        quiet Spark after it (the run's driver-side start comes before its Spark job)."""
+        self._run_coming_at = time.monotonic()
 
     def _wait_ready(self, refs: list[Any]) -> None:
         import ray
@@ -664,6 +691,10 @@ class _WarmUp:
             self._thread.join(timeout)
             if self._thread.is_alive():  # pragma: no cover - a daemon thread; reported
                 log.warning("the session's warm-up did not end within %.0fs", timeout)
+        with self._lock:
+            creator = self._creator
+        if creator is not None:
+            creator.stop()
 
 
 class Session:
@@ -703,6 +734,8 @@ class Session:
         self._on_spark: Any = None
         #: the background warm-up (``_WarmUp``), once started
         self._warm: _WarmUp | None = None
+        #: (key, conf) of the JVM class archive to make in the background (Session.local)
+        self._class_archive: tuple[str, dict[str, str]] | None = None
         Session._stack.append(self)
 
     # -- constructors -------------------------------------------------------------------
@@ -811,6 +844,8 @@ class Session:
                 ray.shutdown()  # also ends the processes of a start that failed midway
             raise
         session = cls(spark, address, owns_spark=owns_spark, owns_ray=owns_ray, kind="local")
+        if owns_spark and spark_start.archive_key is not None:
+            session._class_archive = (spark_start.archive_key, spark_start.conf)
         if warm_up:
             session._start_warm_up()
         return session
@@ -1211,18 +1246,21 @@ class Session:
         self._warm.start()
 
     def _runs_coming(self) -> None:
-        """A run is about to start Spark tasks: its workers are warmed now, not once Spark
-        has been quiet for a while (``_WarmUp.hurry``)."""
+        """A run is about to start: a warm-up not started yet waits until Spark is quiet
+        after it (``_WarmUp.run_coming``); the run starts what it needs itself."""
         if self._warm is not None:
-            self._warm.hurry()
+            self._warm.run_coming()
 
     def warmed(self, timeout: float | None = None) -> dict[str, Any] | None:
         """Wait for the background warm-up to end and say what it made ready: ``spare``
         (the spare coordinator's actor name), ``shard_spares`` (the spare parameter
         shards'), ``store`` (the array store's),
         ``python_workers`` (the pids of Spark's Python workers that imported our modules
-        and joined Ray), ``errors`` (what could not be warmed, by step: a run then starts
-        it itself), ``seconds``. None when the session was made with ``warm_up=False``.
+        and joined Ray), ``class_archive`` (``"making"`` when this session's JVM found no
+        class archive and a background process makes one for the next sessions, which
+        this session's ``stop`` ends if it still runs), ``errors`` (what could not be
+        warmed, by step: a run then starts it itself), ``seconds``. None when the
+        session was made with ``warm_up=False``.
         A run never needs to call this; benchmarks and tests do."""
         return None if self._warm is None else self._warm.wait(timeout)
 

@@ -495,9 +495,11 @@ def jvm_launched() -> bool:
     return SparkContext._gateway is not None
 
 
-def shut_down_jvm() -> None:
+def shut_down_jvm(timeout: float = 30.0) -> int | None:
     """Stop this process's SparkContext and end the JVM PySpark launched for it (a later
-    SparkSession launches a new one). For a start that failed: nothing of Spark is left."""
+    SparkSession launches a new one). For a start that failed: nothing of Spark is left.
+    The JVM's exit code (killed when it has not exited ``timeout`` s after its stdin
+    closed), None when there was none."""
     from pyspark import SparkContext
 
     active = SparkContext._active_spark_context
@@ -506,20 +508,22 @@ def shut_down_jvm() -> None:
             active.stop()
     gateway = SparkContext._gateway
     if gateway is None:
-        return
+        return None
     proc = getattr(gateway, "proc", None)
     with contextlib.suppress(Exception):  # the JVM may be gone already
         gateway.shutdown()
+    code = None
     if proc is not None:
         if proc.stdin is not None:
             proc.stdin.close()  # PySpark's JVM exits when its stdin closes
         try:
-            proc.wait(timeout=30)
+            code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+            code = proc.wait()
     SparkContext._gateway = None
     SparkContext._jvm = None
+    return code
 
 
 def jvm_has_class(name: str) -> bool | None:

@@ -8,9 +8,12 @@ the Ray actor the way a user's own files do (pickled by value).
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 
@@ -21,6 +24,10 @@ os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# the JVM class archive the suite's session makes and later drivers (fresh processes
+# too) map: the suite's own, not the user's cache (spark_ops._class_archive)
+os.environ["HYBRID_ITER_CACHE_DIR"] = tempfile.mkdtemp(prefix="hybrid-iter-cache-")
+atexit.register(shutil.rmtree, os.environ["HYBRID_ITER_CACHE_DIR"], True)
 
 #: Task slots of the shared session: enough for 1-4 partition tests on 2 cores.
 SLOTS = 4

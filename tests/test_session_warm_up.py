@@ -19,9 +19,9 @@ def same():
     return _job("same")
 
 
-def test_fits_during_and_after_the_warm_up_give_the_same_models_bit_for_bit(same):
+def test_fits_before_during_and_after_the_warm_up_give_the_same_models_bit_for_bit(same):
     assert same["warm"]["errors"] == {}, same["warm"]
-    assert same["during"] == same["after"]
+    assert same["first"] == same["during"] == same["after"]
 
 
 def test_the_first_runs_take_the_spare_coordinator_store_and_workers_the_warm_up_made():
@@ -44,10 +44,10 @@ def test_the_first_runs_take_the_spare_coordinator_store_and_workers_the_warm_up
     assert got["store_stats"]["writes"] == 1
 
 
-def test_the_warm_up_job_never_takes_task_slots_ahead_of_a_users_first_job(same):
-    # its tasks hold every slot while they import: a user's first jobs right after the
-    # session returns go first; a run of ours starting tasks is what calls it in
-    assert same["warm_up_job_before_run"] is False
+def test_the_warm_up_waits_for_a_quiet_spark_even_when_a_run_is_coming(same):
+    # its tasks hold every slot while they import and its actors' starts take the CPU: a
+    # user's first jobs and a run of ours (which starts what it needs itself) go first
+    assert same["started_before_quiet"] is False
     assert len(same["warm"]["python_workers"]) == 2
 
 

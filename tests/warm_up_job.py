@@ -5,11 +5,11 @@ shared session already runs Spark and Ray in the test process)::
 
 ``main(case)`` reports as one JSON line (prefixed with ``RESULT ``):
 
-* ``same``: fits right after the session returns (the warm-up still running, or not)
-  and the same fits once it has ended, each from Spark (the array cache emptied first);
-  their models, as hex of the float64 bytes; and whether the warm-up had submitted its
-  Spark job before the fits, after the user's first jobs (it waits for a quiet Spark,
-  held here for ever, or a run's coming);
+* ``same``: fits right after the session returns (Spark never quiet yet: the warm-up
+  not started), fits started with the warm-up, and the same fits once it has ended,
+  each from Spark (the array cache emptied first); their models, as hex of the float64
+  bytes; and whether the warm-up had started anything before Spark was quiet (the
+  user's first jobs and the first fits' coming must not start it);
 * ``taken``: what the warm-up made ready, and what the first fit and the first
   ``iterate`` ran on: the spare pool, the array store, the Python workers' pids;
 * ``closed``: the session stopped while the warm-up's Spark job runs (its tasks held in
@@ -135,12 +135,18 @@ def main(case: str) -> int:
         return 0
 
     if case == "same":
-        # Spark never counts as quiet here: only the fits' coming starts the warm-up's job
+        # Spark never counts as quiet until the first fits have run: neither the user's
+        # first jobs nor the fits' coming start the warm-up
         _session._QUIET_BEFORE_WARM_UP = float("inf")
     with hi.Session.local(2) as session:
         df = _data(session.spark)
         if case == "same":
-            report["warm_up_job_before_run"] = session._warm._tag is not None
+            report["first"] = _fits(df)
+            warm = session._warm
+            report["started_before_quiet"] = warm._tag is not None or any(
+                warm.report[k] for k in ("spare", "store", "shard_spares", "python_workers")
+            )
+            _session._QUIET_BEFORE_WARM_UP = 0.0  # now it starts, beside the next fits
             report["during"] = _fits(df)
             report["warm"] = session.warmed(600)
             report["after"] = _fits(df)
