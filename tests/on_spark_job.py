@@ -343,14 +343,21 @@ def _kill_when_written(
 
 
 def ray_actor_nodes(prefix: str) -> dict[str, str]:
-    """``actor name -> node id`` of the named actors whose name starts with ``prefix``
-    (GCS's actor table: the dashboard, and with it ``ray.util.state``, is off)."""
+    """``actor name -> node id`` of the named live actors whose name starts with
+    ``prefix`` (GCS's actor table: the dashboard, and with it ``ray.util.state``, is
+    off), each waited for until it is placed and up (a spare the run's end started may
+    still be pending, with no node yet)."""
+    import ray
     from ray._private import state
 
+    for a in state.actors().values():
+        if a.get("Name", "").startswith(prefix) and a.get("State") != "DEAD":
+            handle = ray.get_actor(a["Name"], namespace="hybrid_iter")
+            ray.get(handle.__ray_ready__.remote(), timeout=300)
     return {
         a["Name"]: a["Address"]["NodeID"]
         for a in state.actors().values()
-        if a.get("Name", "").startswith(prefix)
+        if a.get("Name", "").startswith(prefix) and a.get("State") != "DEAD"
     }
 
 
