@@ -1,5 +1,5 @@
 """A sync iteration with checkpoints, run in a subprocess by test_checkpoint.py so the
-test can SIGKILL its driver and resume it (``python checkpoint_job.py run|resume DIR``)."""
+test can SIGKILL its driver and resume it (``python checkpoint_job.py DIR``)."""
 
 from __future__ import annotations
 
@@ -70,24 +70,17 @@ def iterate(df, *, pace=0.0, **config):
     )
 
 
-def main(mode: str, directory: str) -> int:
+def main(directory: str) -> int:
     # warm_up=False: the warm-up's processes are not what this job tests, and on 2 cores
-    # their start is the killed and the restarted run's time
+    # their start is the killed run's time
     with hi.Session.local(2, warm_up=False) as session:
-        df = data(session.spark)
-        if mode == "run":
-            result = iterate(
-                df, pace=0.05, checkpoint=hi.CheckpointConfig(directory, every_epochs=2)
-            )
-        else:
-            # the same body as the killed run (a resume with other operator parameters is
-            # refused: the checkpoint's fingerprint covers them)
-            result = iterate(
-                df,
-                pace=0.05,
-                checkpoint=hi.CheckpointConfig(directory, every_epochs=2),
-                resume_from=directory,
-            )
+        # the test resumes it with the same body (a resume with other operator parameters
+        # is refused: the checkpoint's fingerprint covers them)
+        result = iterate(
+            data(session.spark),
+            pace=0.05,
+            checkpoint=hi.CheckpointConfig(directory, every_epochs=2),
+        )
     print(
         "RESULT "
         + json.dumps(
@@ -105,4 +98,4 @@ def main(mode: str, directory: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(sys.argv[1]))

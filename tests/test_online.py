@@ -99,11 +99,13 @@ def test_stopping_and_restarting_the_query_applies_every_batch_once(spark, tmp_p
     assert p3.batches == 6 and w3.tobytes() == w2.tobytes()
 
 
-def test_a_driver_killed_by_the_hook_and_by_sigkill_applies_every_batch_once(tmp_path):
-    """Run 1: the driver dies right after the coordinator committed batch 2 and before
-    Spark recorded it (the hook); on restart Spark runs batch 2 again and its update must
-    not apply twice. Run 2: the driver gets SIGKILL from outside once batch 4 has
-    committed, wherever it is then. Run 3 finishes: every row applied exactly once."""
+def test_a_driver_killed_by_the_hook_and_by_sigkill_applies_every_batch_once(spark, tmp_path):
+    """Run 1 (a driver process of its own): the driver dies right after the coordinator
+    committed batch 2 and before Spark recorded it (the hook); on restart Spark runs batch
+    2 again and its update must not apply twice. Run 2 (another driver process): the
+    driver gets SIGKILL from outside once batch 4 has committed, wherever it is then. Run
+    3 (this test's driver, on the suite's session) finishes: every row applied exactly
+    once."""
     import signal
 
     data, ckpt = tmp_path / "in", tmp_path / "ckpt"
@@ -138,14 +140,18 @@ def test_a_driver_killed_by_the_hook_and_by_sigkill_applies_every_batch_once(tmp
             os.killpg(proc.pid, signal.SIGKILL)  # what the dead driver had started
         except ProcessLookupError:
             pass
-    resumed = subprocess.run(
-        job, env=env, capture_output=True, text=True, timeout=300, start_new_session=True
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    out = json.loads(next(x for x in resumed.stdout.splitlines() if x.startswith("RESULT "))[7:])
-    assert out["rows"] == 1800
+    stream = spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).csv(str(data))
+    with hi.iterate_unbounded_streams(
+        {"total": np.zeros(5)},
+        hi.ReplayableDataStreamList.not_replay(stream),
+        hi.IterationBody(Sums(), Total()),
+        hi.OnlineConfig(checkpoint_location=str(ckpt), trigger={"availableNow": True}),
+    ) as it:
+        it.await_termination(300)
+        assert it.exception() is None, it.exception()
+        total = it.latest_variables()["total"]
+        assert it.progress.rows == 1800
     # every row once (a kill while Spark plans a batch may merge two files into one batch)
-    total = np.frombuffer(bytes.fromhex(out["total_hex"]))
     assert total[0] == 1800
     np.testing.assert_allclose(total, totals(batches), rtol=0, atol=1e-9)
 
