@@ -66,7 +66,7 @@ _USERS_OWN = ("-Xshare", "SharedArchiveFile", "ArchiveClassesAtExit")
 _KEEP = 2
 
 
-def enabled(conf: Mapping[str, str]) -> bool:
+def _enabled(conf: Mapping[str, str]) -> bool:
     if os.environ.get("HYBRID_ITER_CLASS_ARCHIVE", "1").strip().lower() in ("0", "off", "false"):
         return False
     own = conf.get("spark.driver.extraJavaOptions", "")
@@ -166,7 +166,7 @@ def java_options(conf: Mapping[str, str]) -> tuple[str | None, str | None]:
     """``(options, key)``: the driver's ``spark.driver.extraJavaOptions`` with the
     archive to map (None: leave the conf as it is) and the key to make an archive for
     (None: there is one, or none can be made)."""
-    if not enabled(conf):
+    if not _enabled(conf):
         return None, None
     key = archive_key(conf)
     if key is None:
@@ -196,9 +196,6 @@ class Creator:
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # its JVM and Python workers: one group to end
         )
-
-    def done(self) -> bool:
-        return self.proc.poll() is not None
 
     def wait(self, timeout: float | None = None) -> int:
         return self.proc.wait(timeout)

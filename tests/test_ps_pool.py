@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from test_ps_sparse_recovery import _state
 
 N, PARTS = 400, 2
 
@@ -90,13 +91,6 @@ def _run(df: Any) -> dict[str, Any]:
         }
     finally:
         out.model.close()
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
 
 
 def _killed_run(df: Any, victim: str, flags: Path) -> dict[str, Any]:
