@@ -167,8 +167,8 @@ def test_runs_take_the_spare_shards_and_train_the_same_model_as_fresh_ones(sessi
     df = _data(session.spark).cache()
     df.count()
     try:
-        # earlier runs in this session took and refilled the pool (a run with fewer
-        # shards refills fewer): it holds at least this run's count, all up
+        # other tests' runs in the shared session took and refilled the pool (a run with
+        # fewer shards refills fewer): it holds at least this run's count, all up
         keep_shard_spares(kind, need)
         before = placement.spares(kind)
         _wait_up(before)
