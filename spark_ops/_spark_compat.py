@@ -386,6 +386,12 @@ def exact_num_partitions(df: DataFrame) -> int | None:
     client, which has no plan objects)."""
     if is_connect(df.sparkSession):
         return None
+    try:  # a scan of a cached relation as it is (``cached_relation``): no planning
+        scan = _cache_scan(df._jdf.queryExecution().analyzed())
+    except Exception:  # a plan shape this Spark version builds differently
+        scan = None
+    if scan is not None:
+        return int(scan[0].cacheBuilder().cachedColumnBuffers().getNumPartitions())
     plan = _executed_plan(df)
     if plan.getClass().getSimpleName() != "AdaptiveSparkPlanExec":
         return rdd_num_partitions(df)
@@ -427,38 +433,68 @@ def _seq(s: Any) -> list[Any]:
     return [s.apply(i) for i in range(s.length())]
 
 
-def cached_relation(df: DataFrame) -> tuple[int, tuple[int, ...], int] | None:
-    """(rdd id, column ordinals, partition count) of the cached RDD ``df`` reads
-    unchanged: its optimized plan is Spark's ``InMemoryRelation`` alone or a projection
-    of plain columns of it. None otherwise, and for a plan shape this Spark builds
-    differently. Defines the cached RDD without a job."""
+def _cache_scan(plan: Any) -> tuple[Any, tuple[int, ...]] | None:
+    """(the ``InMemoryRelation``, column ordinals) when logical ``plan`` is Spark's cache
+    relation alone or a projection of plain columns of it; None otherwise."""
+    kind = plan.getClass().getSimpleName()
+    if kind == "Project":
+        relation = plan.child()
+        items = _seq(plan.projectList())
+    elif kind == "InMemoryRelation":
+        relation, items = plan, None
+    else:
+        return None
+    if relation.getClass().getSimpleName() != "InMemoryRelation":
+        return None
+    output = [a.exprId().id() for a in _seq(relation.output())]
+    if items is None:
+        return relation, tuple(range(len(output)))
+    if any(i.getClass().getSimpleName() != "AttributeReference" for i in items):
+        return None  # an expression or an alias: computed on the cached rows
+    where = {e: k for k, e in enumerate(output)}
+    ids = [i.exprId().id() for i in items]
+    if any(e not in where for e in ids):
+        return None
+    return relation, tuple(where[e] for e in ids)
+
+
+def cached_relation(df: DataFrame) -> tuple[int, tuple[int, ...], int, DataFrame] | None:
+    """(rdd id, column ordinals, partition count, a DataFrame of the same rows) when
+    ``df``'s optimized plan is Spark's ``InMemoryRelation`` alone or a projection of
+    plain columns of it; None otherwise, and for a plan shape this Spark builds
+    differently. Defines the cached RDD without a job.
+
+    The DataFrame returned is planned on that optimized plan: what ``df`` reads, minus
+    the analysis and optimization of the plan the cache was made from (a DataFrame made
+    from a pandas frame holds all its rows in the plan, and each query over it pays tens
+    of milliseconds for them); its partition count is known without planning
+    (``exact_num_partitions``)."""
     try:
         plan = df._jdf.queryExecution().optimizedPlan()
-        kind = plan.getClass().getSimpleName()
-        if kind == "Project":
-            relation = plan.child()
-            items = _seq(plan.projectList())
-        elif kind == "InMemoryRelation":
-            relation, items = plan, None
-        else:
+        found = _cache_scan(plan)
+        if found is None:
             return None
-        if relation.getClass().getSimpleName() != "InMemoryRelation":
-            return None
-        output = [a.exprId().id() for a in _seq(relation.output())]
-        if items is None:
-            ordinals = tuple(range(len(output)))
-        else:
-            if any(i.getClass().getSimpleName() != "AttributeReference" for i in items):
-                return None  # an expression or an alias: computed on the cached rows
-            where = {e: k for k, e in enumerate(output)}
-            ids = [i.exprId().id() for i in items]
-            if any(e not in where for e in ids):
-                return None
-            ordinals = tuple(where[e] for e in ids)
+        relation, ordinals = found
         rdd = relation.cacheBuilder().cachedColumnBuffers()  # defines the RDD, no job
-        return int(rdd.id()), ordinals, int(rdd.getNumPartitions())
+        return int(rdd.id()), ordinals, int(rdd.getNumPartitions()), _of_plan(df, plan)
     except Exception:  # a plan shape this Spark version builds differently: not cached
         return None
+
+
+def _of_plan(df: DataFrame, plan: Any) -> DataFrame:
+    """A DataFrame of ``df``'s session over the resolved logical ``plan``."""
+    from pyspark.sql import DataFrame as PyDataFrame
+
+    spark = df.sparkSession
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None  # a started classic SparkContext has its gateway
+    package = (
+        jvm.org.apache.spark.sql.classic
+        if spark_version() >= (4, 0, 0)
+        else jvm.org.apache.spark.sql
+    )
+    jdf = package.Dataset.ofRows(spark._jsparkSession, plan)
+    return PyDataFrame(jdf, spark)
 
 
 def streaming_file_source(df: DataFrame) -> tuple[str, dict[str, str]] | None:

@@ -18,6 +18,7 @@ from hybrid_iter import ml
 from hybrid_iter._runtime.array_store import CONF_BYTES, CONF_ENABLED, store_stats
 from hybrid_iter.testing import LoseKeptArrays
 from spark_ops import _spark_compat as compat
+from spark_ops import cached_view
 
 D = 6
 COLS = [f"x{i}" for i in range(D)]
@@ -149,6 +150,42 @@ def test_data_computed_on_the_cached_rows_is_read_from_spark(spark, cached, cach
         for _ in range(2)
     ]
     assert [f.summary.data_source for f in fits] == ["spark", "spark"]
+
+
+def _partitions(df) -> list[list[tuple]]:
+    return [[tuple(r) for r in part] for part in df.rdd.glom().collect()]
+
+
+def test_a_fit_over_cached_data_plans_its_job_on_the_cache_and_reads_what_spark_would(
+    spark, cached, cache_conf
+):
+    """A fit's Spark job over cached data runs on a DataFrame planned on the cache
+    relation itself (``cached_view``), not on the plan the cache was made from again: it
+    must hold the same rows in the same partitions, in the fit's column order."""
+    asked = [cached.select(*COLS, "y"), cached.select("y", *COLS[::-1])]
+    if compat.spark_version() >= (4, 0, 0):  # renames stay a scan of the cache (above)
+        asked.append(_swapped(cached).select(*COLS, "y"))
+    for df in asked:
+        view = cached_view(df)
+        assert view is not None
+        source, frame = view
+        assert frame.columns == df.columns
+        assert compat.exact_num_partitions(frame) == source.num_partitions == P
+        assert _partitions(frame) == _partitions(df)
+    # computed on the cached rows: no view (the fit reads what Spark computes)
+    assert cached_view(cached.where(F.col("x0") > 0)) is None
+    assert cached_view(cached.withColumn("x1", F.col("x1") * 2.0).select(*COLS)) is None
+    # Spark computes the rows again once unpersisted (the cache's partitions held them
+    # in another order: the same model up to rounding)
+    cache_conf.set(CONF_ENABLED, "false")  # every fit below reads from Spark
+    on_cache = _lin(cached), _lin(_swapped(cached))
+    cached.unpersist()
+    assert cached_view(cached.select(*COLS, "y")) is None
+    not_cached = _lin(cached), _lin(_swapped(cached))
+    for a, b in zip(on_cache, not_cached):
+        assert np.allclose(a.coefficients, b.coefficients, rtol=1e-9, atol=0)
+        assert np.isclose(a.intercept, b.intercept, rtol=1e-9, atol=0)
+    assert not np.allclose(on_cache[0].coefficients, on_cache[1].coefficients)
 
 
 def test_arrays_lost_from_outside_cost_a_rerun_from_spark_not_the_fit(spark, cached, cache_conf):

@@ -45,11 +45,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from spark_ops import cached_source, persisted_rdd_ids
+from spark_ops import CachedSource, persisted_rdd_ids
 
 from .._errors import StoredArraysLost
 
@@ -324,22 +323,20 @@ def _default_capacity() -> int:
 
 
 def plan_reuse(
-    df: Any,
-    columns: Sequence[str],
+    spark: Any,
+    source: CachedSource | None,
     describe: tuple[Any, ...],
     num_subtasks: int,
     hooks: Any = None,
 ) -> StoredArrays | None:
-    """READ / WRITE for a fit over ``df.select(*columns)`` (what its tasks would read)
-    with ``num_subtasks`` subtasks, the arrays decoded as ``describe`` says; None when
-    the cache cannot serve this fit (turned off, not a cached DataFrame read whole, a
-    repartition, larger than the capacity). Runs on the driver; no Spark job."""
-    spark = df.sparkSession
+    """READ / WRITE for a fit whose tasks read the cached data ``source``
+    (``spark_ops.cached_view`` of ``df.select(*columns)``, asked now: a DataFrame's own
+    plan is fixed when first used, and keeps a relation unpersisted since; None: not a
+    cached DataFrame read whole) with ``num_subtasks`` subtasks, the arrays decoded as
+    ``describe`` says; None when the cache cannot serve this fit (turned off, not
+    cached, a repartition, larger than the capacity). Runs on the driver; no Spark job."""
     on, capacity = _settings(spark)
-    # a new DataFrame: its plan sees the cache as it is now (a DataFrame's own plan is
-    # fixed when first used, and keeps a relation unpersisted since)
-    source = cached_source(df.select(*columns)) if on else None
-    if source is None or source.num_partitions != num_subtasks:
+    if not on or source is None or source.num_partitions != num_subtasks:
         if on:  # drop what is not needed any more (off: everything)
             purge(spark)
         else:

@@ -19,7 +19,7 @@ from .._body import IterationBody
 from .._errors import IterationConfigError
 from .._streams import DataStream, ReplayableDataStreamList, _is_dataframe
 
-__all__ = ["check_entry", "check_online_entry", "refuse_nested"]
+__all__ = ["check_entry", "check_online_entry", "refuse_nested", "runs_coming"]
 
 
 def refuse_nested() -> None:
@@ -75,12 +75,19 @@ def check_entry(
             f"ReplayableDataStreamList.not_replay({df})"
         )
     variables = check_init_variables(init_variables)
+    runs_coming()
+    return variables, data_streams
+
+
+def runs_coming() -> None:
+    """Tell the current session's background warm-up that a run is starting
+    (``Session._runs_coming``): an entry point calls it once its arguments are checked,
+    before it starts actors of its own, so that the warm-up does not start beside them."""
     from .._session import Session
 
     session = Session.current()
     if session is not None:
         session._runs_coming()
-    return variables, data_streams
 
 
 def check_init_variables(init_variables: Any) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from coordinator import RuntimeHooks
-from spark_ops import available_task_slots
+from spark_ops import CachedSource, available_task_slots, cached_view
 from spark_ops._spark_compat import is_connect
 
 from .._body import IterationBody
@@ -28,6 +28,7 @@ from .._errors import (
 from .._result import IterationResult
 from .._runtime.array_store import forget, plan_reuse
 from .._runtime.endpoint import refuse_on_connect
+from .._runtime.entry import runs_coming
 from .._runtime.iterate import iterate_bounded_streams_until_termination
 from .._streams import DataStream, ReplayableDataStreamList, _is_dataframe
 from ._features import FeaturePlan
@@ -176,16 +177,19 @@ def run_iteration(
     progress_tag: str = "loss",
     max_epochs: int | None = None,
     hooks: RuntimeHooks | None = None,
+    data: Any = None,
 ) -> IterationResult:
     """One iteration over the plan's columns of ``df`` (read once into each subtask);
     with ``plan.stored`` reading, over a stand-in of one row per partition (the tasks
-    read their arrays from the array cache, ``with_array_cache``). ``hooks``: test
-    hooks (``hybrid_iter.testing``) at the runtime's hook points."""
+    read their arrays from the array cache, ``with_array_cache``). ``data``: a
+    DataFrame of exactly those columns of ``df`` to read instead (``cached_view``'s).
+    ``hooks``: test hooks (``hybrid_iter.testing``) at the runtime's hook points."""
     if plan.stored is not None and plan.stored.read:
         n = plan.stored.num_partitions
         stream = DataStream(_stand_in(df.sparkSession, n))
     else:
-        data = df.select(*plan.input_columns)
+        if data is None:
+            data = df.select(*plan.input_columns)
         stream = DataStream(data, numeric_columns=plan.scalar_columns or None)
     config = IterationConfig(
         staleness=staleness,
@@ -218,13 +222,19 @@ def _stand_in(spark: Any, n: int) -> Any:
 
 
 def with_array_cache(
-    df: Any, plan: FeaturePlan, parallelism: int | None, hooks: RuntimeHooks | None = None
+    df: Any,
+    plan: FeaturePlan,
+    parallelism: int | None,
+    hooks: RuntimeHooks | None = None,
+    source: CachedSource | None = None,
 ) -> FeaturePlan:
     """``plan`` with the array cache's decision for a fit of ``df`` (driver, no Spark
     job): read the arrays an earlier fit of the same cached data kept, keep the ones
-    this fit reads, or neither (``_runtime.array_store``)."""
+    this fit reads, or neither (``_runtime.array_store``). ``source``: the cached data
+    ``df.select(*plan.input_columns)`` reads (``cached_view``), asked now; None: not
+    cached data read whole."""
     n = parallelism or available_task_slots(df.sparkSession)
-    stored = plan_reuse(df, plan.input_columns, plan.decoding, n, hooks)
+    stored = plan_reuse(df.sparkSession, source, plan.decoding, n, hooks)
     return replace(plan, stored=stored)
 
 
@@ -278,9 +288,17 @@ def run_with_array_cache(
     # the array cache is a Ray actor the subtasks write to and read from; a Spark
     # Connect server's tasks have no Ray (they reach the coordinator by its endpoint
     # only), so a fit there decodes from Spark every time and keeps nothing
-    reuse = not is_connect(df.sparkSession)
+    runs_coming()  # the array store may start before the iteration's entry says so
+    classic = not is_connect(df.sparkSession)
+    reuse = classic
     while True:
-        run_plan = with_array_cache(df, plan, parallelism, kwargs.get("hooks")) if reuse else plan
+        # asked anew each time: a DataFrame's plan is fixed when first used. The view
+        # also saves the Spark job over the cached data from planning its source again
+        view = cached_view(df.select(*plan.input_columns)) if classic else None
+        source, data = view if view is not None else (None, None)
+        run_plan = (
+            with_array_cache(df, plan, parallelism, kwargs.get("hooks"), source) if reuse else plan
+        )
         init, body = build(run_plan)
         stored = run_plan.stored
         try:
@@ -294,6 +312,7 @@ def run_with_array_cache(
                     body,
                     # the subtasks the cache was planned for, whatever the slots are now
                     parallelism=stored.num_partitions if stored is not None else parallelism,
+                    data=data,
                     **kwargs,
                 ),
             )

@@ -52,6 +52,7 @@ from .._errors import (
 )
 from .._result import IterationResult
 from .._runtime.endpoint import SERVE_TIMEOUT, EndpointPlan
+from .._runtime.entry import runs_coming
 from .._runtime.iterate import iterate_bounded_streams_until_termination
 from .._runtime.placement import (
     ActorKind,
@@ -564,6 +565,7 @@ def train(
     n = parallelism or available_task_slots(df.sparkSession)
     if n < 1:
         raise IterationConfigError("Spark has no task slots; start executors or a Session")
+    runs_coming()  # the shards start before the iteration's own entry says so
     address = _ray_address(df.sparkSession)
     connect(address, namespace=NAMESPACE)
     if num_shards is None and tables:

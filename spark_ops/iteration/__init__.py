@@ -11,7 +11,7 @@ from .barrier import (
     hold_task_slots,
     num_partitions,
 )
-from .cached import CachedSource, cached_source, persisted_rdd_ids
+from .cached import CachedSource, cached_source, cached_view, persisted_rdd_ids
 from .failures import WorkerDeath, python_worker_death, spark_error_text
 from .partition_cache import ColumnChunks, NumpyCache, column_to_numpy, is_numeric_arrow_type
 
@@ -24,6 +24,7 @@ __all__ = [
     "WorkerDeath",
     "available_task_slots",
     "cached_source",
+    "cached_view",
     "column_to_numpy",
     "exact_num_partitions",
     "hold_task_slots",

@@ -23,7 +23,7 @@ from typing import Any
 
 from .. import _spark_compat
 
-__all__ = ["CachedSource", "cached_source", "persisted_rdd_ids"]
+__all__ = ["CachedSource", "cached_source", "cached_view", "persisted_rdd_ids"]
 
 
 @dataclass(frozen=True)
@@ -41,16 +41,26 @@ def cached_source(df: Any) -> CachedSource | None:
 
     ``df``'s plan is optimized once, when first needed: ask a DataFrame made for the
     question (``df.select(...)``), not one used before the cache changed."""
+    found = cached_view(df)
+    return None if found is None else found[0]
+
+
+def cached_view(df: Any) -> tuple[CachedSource, Any] | None:
+    """``cached_source(df)`` and a DataFrame of the same rows planned on the cache
+    relation itself: a job over it skips analysing and optimizing the plan the cache was
+    made from again, and ``exact_num_partitions`` knows its partition count without
+    planning (``_spark_compat.cached_relation``). None as for ``cached_source``."""
     found = _spark_compat.cached_relation(df)
     if found is None:
         return None
-    rdd_id, ordinals, partitions = found
-    return CachedSource(
+    rdd_id, ordinals, partitions, frame = found
+    source = CachedSource(
         app_id=str(df.sparkSession.sparkContext.applicationId),
         rdd_id=rdd_id,
         ordinals=ordinals,
         num_partitions=partitions,
     )
+    return source, frame
 
 
 def persisted_rdd_ids(spark: Any) -> frozenset[int]:
