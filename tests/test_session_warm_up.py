@@ -2,7 +2,8 @@
 coordinator, the array store, Spark's Python workers with our modules imported and Ray
 joined. The first runs take what it made; it never changes a result; a session stopped
 while it runs stops cleanly. Each case in a process of its own (``warm_up_job.py``):
-the suite's shared session has warmed and used its spares long before."""
+the suite's shared session has warmed and used its spares long before; only the order
+of an entry point's steps is read on the shared session."""
 
 from __future__ import annotations
 
@@ -60,3 +61,45 @@ def test_a_session_stopped_while_the_warm_up_runs_stops_cleanly(tmp_path):
     # the Spark job was cancelled (its step reports why), nothing else failed
     assert set(got["warm_up_report"]["errors"]) == {"python_workers"}, got["warm_up_report"]
     assert got["children"] == {}, got["children"]  # no Ray process or Python worker left
+
+
+def test_an_entry_point_says_a_run_is_coming_before_it_starts_an_actor(session, spark, monkeypatch):
+    """The warm-up must not start beside a run's own actor starts: ``ps.train`` starts
+    its shards and a fit its array store before the iteration's entry checks run, so
+    each says a run is coming before that (the suite's session: its warm-up is over,
+    which only the times below are read from)."""
+    import time
+
+    import numpy as np
+
+    from hybrid_iter import ml, ps
+    from hybrid_iter._runtime import array_store
+    from hybrid_iter.ps import _train
+
+    warm = session._warm
+    assert warm is not None
+    seen: dict[str, float] = {}
+
+    def watch(name, fn):
+        def called(*args, **kwargs):
+            seen.setdefault(name, warm._run_coming_at)
+            return fn(*args, **kwargs)
+
+        return called
+
+    monkeypatch.setattr(_train, "_start", watch("shards", _train._start))
+    monkeypatch.setattr(array_store, "_store", watch("store", array_store._store))
+    df = spark.createDataFrame(
+        [([float(i), 1.0], float(i % 3)) for i in range(40)], "x array<double>, y double"
+    ).repartition(2)
+    started = time.monotonic()
+
+    def grad(params, batch):
+        r = batch["x"] @ params["w"] - batch["y"]
+        return float(r @ r), {"w": batch["x"].T @ r / len(r)}
+
+    ps.train(df, grad, {"w": np.zeros(2)}, epochs=1, columns=["x", "y"], progress=False)
+    fit_started = time.monotonic()
+    ml.LinearRegression(features_col="x", label_col="y", progress=False).fit(df.cache())
+    assert set(seen) == {"shards", "store"}
+    assert seen["shards"] >= started and seen["store"] >= fit_started, (started, seen)
