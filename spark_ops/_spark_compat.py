@@ -468,7 +468,9 @@ def cached_relation(df: DataFrame) -> tuple[int, tuple[int, ...], int, DataFrame
     the analysis and optimization of the plan the cache was made from (a DataFrame made
     from a pandas frame holds all its rows in the plan, and each query over it pays tens
     of milliseconds for them); its partition count is known without planning
-    (``exact_num_partitions``)."""
+    (``exact_num_partitions``). None for a Spark Connect client (no plan objects)."""
+    if is_connect(df.sparkSession):
+        return None
     try:
         plan = df._jdf.queryExecution().optimizedPlan()
         found = _cache_scan(plan)

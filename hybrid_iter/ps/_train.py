@@ -557,7 +557,7 @@ def train(
     )
     plan_tables = TablePlan.of([(s.name, s.dim, key_cols[s.name]) for s in specs])
 
-    from spark_ops import available_task_slots
+    from spark_ops import available_task_slots, cached_view
 
     from .._runtime.iterate import _ray_address
     from .._runtime.ray_util import connect
@@ -675,7 +675,11 @@ def train(
                 criteria=True if tol is not None or patience is not None else None,
             )
             scalar = [c for c in names if c not in widths and column_kind(_type(df, c)) == "scalar"]
-            streams = [DataStream(df.select(*names, *csr), numeric_columns=tuple(scalar) or None)]
+            # over cached data: planned on the cache relation (``cached_view``)
+            selected = df.select(*names, *csr)
+            view = cached_view(selected)
+            data = selected if view is None else view[1]
+            streams = [DataStream(data, numeric_columns=tuple(scalar) or None)]
             if evaluation is not None:
                 streams.append(DataStream(eval_df.select(*evaluation.columns)))
             try:
