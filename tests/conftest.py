@@ -29,6 +29,10 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ["HYBRID_ITER_CACHE_DIR"] = tempfile.mkdtemp(prefix="hybrid-iter-cache-")
 atexit.register(shutil.rmtree, os.environ["HYBRID_ITER_CACHE_DIR"], True)
 
+# Ray's processes report metrics to its agent every second instead of every 10 s: the
+# tests of the exported metrics wait for them (what is exported is the same)
+os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+
 #: Task slots of the shared session: enough for 1-4 partition tests on 2 cores.
 SLOTS = 4
 
@@ -175,3 +179,20 @@ def _recording(init, made):
         made.append(self)
 
     return recording_init
+
+
+def pytest_collection_finish(session):
+    """mypy runs beside the suite when its test is collected (``background_lint``)."""
+    import importlib.util
+
+    wanted = any(i.nodeid.endswith("test_lint.py::test_mypy_is_clean") for i in session.items)
+    if wanted and importlib.util.find_spec("mypy") is not None:
+        import background_lint
+
+        background_lint.start()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import background_lint
+
+    background_lint.stop()
