@@ -107,6 +107,8 @@ def main(case: str) -> int:
         # every warm-up task imports warm_up_block, which holds it (the directory is
         # in HYBRID_ITER_TEST_BLOCK_DIR, set by the test; PYTHONPATH reaches the workers)
         _session._WORKER_MODULES = (*_session._WORKER_MODULES, "warm_up_block")
+        # nothing else runs here: the warm-up need not wait 5 s for a quiet Spark
+        _session._QUIET_BEFORE_WARM_UP = 1.0
         block = Path(os.environ["HYBRID_ITER_TEST_BLOCK_DIR"])
         session = hi.Session.local(2)
         deadline = time.monotonic() + 300
