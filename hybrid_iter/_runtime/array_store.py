@@ -7,7 +7,7 @@ fit of the same cached DataFrame (another ``reg``, a grid search, ``CrossValidat
 param maps on a cached fold, a refit after a look at the summary) gets the same arrays
 again. Kept, they are read zero-copy from the object store instead.
 
-Which data is "the same" (``spark_ops.cached_source``): the fit's DataFrame reads plain
+Which data is "the same" (``spark_ops.cached_view``): the fit's DataFrame reads plain
 columns of one cached DataFrame, nothing computed on top, and the fit has as many
 subtasks as the cached RDD has partitions (no repartition), so subtask ``p`` reads
 cached partition ``p``. The key is (application id, cached RDD id, which columns, how
