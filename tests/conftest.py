@@ -179,20 +179,3 @@ def _recording(init, made):
         made.append(self)
 
     return recording_init
-
-
-def pytest_collection_finish(session):
-    """mypy runs beside the suite when its test is collected (``background_lint``)."""
-    import importlib.util
-
-    wanted = any(i.nodeid.endswith("test_lint.py::test_mypy_is_clean") for i in session.items)
-    if wanted and importlib.util.find_spec("mypy") is not None:
-        import background_lint
-
-        background_lint.start()
-
-
-def pytest_sessionfinish(session, exitstatus):
-    import background_lint
-
-    background_lint.stop()
