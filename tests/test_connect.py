@@ -19,7 +19,9 @@ import hybrid_iter as hi
 
 @pytest.fixture(scope="module")
 def connect():
-    return run_job("connect_attach_job", "all", timeout=900)
+    return run_job(
+        "connect_attach_job", "all", timeout=480
+    )  # under pytest-timeout: a hang reports its stderr
 
 
 def _ok(connect, name):

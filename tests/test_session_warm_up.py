@@ -12,7 +12,7 @@ from fresh_process import run_job
 
 
 def _job(case: str, extra_env: dict[str, str] | None = None) -> dict:
-    return run_job("warm_up_job", case, timeout=900, extra_env=extra_env)
+    return run_job("warm_up_job", case, timeout=480, extra_env=extra_env)  # under pytest-timeout
 
 
 @pytest.fixture(scope="module")
