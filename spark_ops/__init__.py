@@ -56,6 +56,7 @@ from .iteration import (
     num_partitions,
     persisted_rdd_ids,
     python_worker_death,
+    read_columns,
     spark_error_text,
 )
 from .local_agg import (
@@ -149,6 +150,7 @@ __all__ = [
     "num_partitions",
     "persisted_rdd_ids",
     "python_worker_death",
+    "read_columns",
     "redistribute",
     "require_spark_filesystem",
     "spark_error_text",

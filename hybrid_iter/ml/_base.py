@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from coordinator import RuntimeHooks
-from spark_ops import CachedSource, available_task_slots, cached_view
+from spark_ops import CachedSource, available_task_slots, read_columns
 from spark_ops._spark_compat import is_connect
 
 from .._body import IterationBody
@@ -177,19 +177,17 @@ def run_iteration(
     progress_tag: str = "loss",
     max_epochs: int | None = None,
     hooks: RuntimeHooks | None = None,
-    data: Any = None,
+    data: Any,
 ) -> IterationResult:
     """One iteration over the plan's columns of ``df`` (read once into each subtask);
     with ``plan.stored`` reading, over a stand-in of one row per partition (the tasks
-    read their arrays from the array cache, ``with_array_cache``). ``data``: a
-    DataFrame of exactly those columns of ``df`` to read instead (``cached_view``'s).
+    read their arrays from the array cache, ``with_array_cache``). ``data``: the
+    DataFrame of exactly those columns of ``df`` to read (``read_columns``).
     ``hooks``: test hooks (``hybrid_iter.testing``) at the runtime's hook points."""
     if plan.stored is not None and plan.stored.read:
         n = plan.stored.num_partitions
         stream = DataStream(_stand_in(df.sparkSession, n))
     else:
-        if data is None:
-            data = df.select(*plan.input_columns)
         stream = DataStream(data, numeric_columns=plan.scalar_columns or None)
     config = IterationConfig(
         staleness=staleness,
@@ -289,13 +287,11 @@ def run_with_array_cache(
     # Connect server's tasks have no Ray (they reach the coordinator by its endpoint
     # only), so a fit there decodes from Spark every time and keeps nothing
     runs_coming()  # the array store may start before the iteration's entry says so
-    classic = not is_connect(df.sparkSession)
-    reuse = classic
+    reuse = not is_connect(df.sparkSession)
     while True:
         # asked anew each time: a DataFrame's plan is fixed when first used. The view
         # also saves the Spark job over the cached data from planning its source again
-        view = cached_view(df.select(*plan.input_columns)) if classic else None
-        source, data = view if view is not None else (None, None)
+        source, data = read_columns(df, plan.input_columns)
         run_plan = (
             with_array_cache(df, plan, parallelism, kwargs.get("hooks"), source) if reuse else plan
         )

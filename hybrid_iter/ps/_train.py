@@ -557,7 +557,7 @@ def train(
     )
     plan_tables = TablePlan.of([(s.name, s.dim, key_cols[s.name]) for s in specs])
 
-    from spark_ops import available_task_slots, cached_view
+    from spark_ops import available_task_slots, read_columns
 
     from .._runtime.iterate import _ray_address
     from .._runtime.ray_util import connect
@@ -676,9 +676,7 @@ def train(
             )
             scalar = [c for c in names if c not in widths and column_kind(_type(df, c)) == "scalar"]
             # over cached data: planned on the cache relation (``cached_view``)
-            selected = df.select(*names, *csr)
-            view = cached_view(selected)
-            data = selected if view is None else view[1]
+            _, data = read_columns(df, [*names, *csr])
             streams = [DataStream(data, numeric_columns=tuple(scalar) or None)]
             if evaluation is not None:
                 streams.append(DataStream(eval_df.select(*evaluation.columns)))

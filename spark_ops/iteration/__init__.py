@@ -11,7 +11,7 @@ from .barrier import (
     hold_task_slots,
     num_partitions,
 )
-from .cached import CachedSource, cached_source, cached_view, persisted_rdd_ids
+from .cached import CachedSource, cached_source, cached_view, persisted_rdd_ids, read_columns
 from .failures import WorkerDeath, python_worker_death, spark_error_text
 from .partition_cache import ColumnChunks, NumpyCache, column_to_numpy, is_numeric_arrow_type
 
@@ -32,5 +32,6 @@ __all__ = [
     "num_partitions",
     "persisted_rdd_ids",
     "python_worker_death",
+    "read_columns",
     "spark_error_text",
 ]

@@ -18,12 +18,13 @@ changed meanwhile; Spark itself then serves different rows to different jobs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .. import _spark_compat
 
-__all__ = ["CachedSource", "cached_source", "cached_view", "persisted_rdd_ids"]
+__all__ = ["CachedSource", "cached_source", "cached_view", "persisted_rdd_ids", "read_columns"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,15 @@ def cached_view(df: Any) -> tuple[CachedSource, Any] | None:
         num_partitions=partitions,
     )
     return source, frame
+
+
+def read_columns(df: Any, columns: Sequence[str]) -> tuple[CachedSource | None, Any]:
+    """What a job reading ``columns`` of ``df`` should read: ``cached_view`` of
+    ``df.select(*columns)`` when that reads cached data unchanged (its source and the
+    view), else (None, that select)."""
+    selected = df.select(*columns)
+    view = cached_view(selected)
+    return (None, selected) if view is None else view
 
 
 def persisted_rdd_ids(spark: Any) -> frozenset[int]:
