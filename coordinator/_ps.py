@@ -117,6 +117,8 @@ class _ShardCore:
     in ``pull``/``push``)."""
 
     spec: ShardSpec
+    #: an idle process no run has configured (started ahead, or ``forget`` after a run)
+    _spare = False
 
     def __init__(
         self,
@@ -131,13 +133,14 @@ class _ShardCore:
         if spec is not None:
             self._setup(spec, put)
             return
+        self._spare = True
         import_ahead(warm)
 
     def configure(self, spec: ShardSpec) -> tuple[str | None, int, int]:
-        """Make a spare the shard of ``spec``, exactly as the constructor would have (once;
-        only for shards Ray never restarts: a restart would run the constructor again, as a
-        spare); returns ``hello()``."""
-        if hasattr(self, "spec"):
+        """Make a spare the shard of ``spec``, exactly as the constructor would have (once
+        per run; only for shards Ray never restarts: a restart would run the constructor
+        again, as a spare); returns ``hello()``."""
+        if not self._spare:
             raise UsageError("this parameter shard is configured already")
         if was_reconstructed():
             raise UsageError("a restarted spare parameter shard cannot take a run")
@@ -152,6 +155,7 @@ class _ShardCore:
                 put = ray.put if ray.is_initialized() else None
             except ImportError:  # pragma: no cover - ray is a dependency
                 put = None
+        self._spare = False
         self.spec = spec
         self._put = put
         self.stats = {
@@ -245,6 +249,21 @@ class _ShardCore:
             "tables": tables,
             **self.stats,
         }
+
+    def forget(self) -> bool:
+        """After the run it served ended well: drop everything of that run and be a spare
+        again (as constructed with no spec), which the next run of this kind configures
+        (its process is up: the slow part of a new shard's start is skipped). A late call
+        of the ended run is refused. False (then it is killed) for a shard that Ray
+        restarted or that serves its own endpoint."""
+        if self._spare:
+            return True
+        if was_reconstructed() or getattr(self, "_server", None) is not None:
+            return False
+        self._cancel_waiters("the run ended")
+        vars(self).clear()  # the run's values, tables, references and counters
+        self._spare = True
+        return True
 
     def reset(self, token: str) -> None:
         """Back to the initial state (a new launch of the stage), under ``token``."""
@@ -378,6 +397,11 @@ class _ShardCore:
     # -- internals ------------------------------------------------------------------------
 
     def _check_token(self, token: str | None) -> None:
+        if self._spare:
+            raise StaleShardCall(
+                "a spare parameter shard refused a call: it serves no run (the run that "
+                "called has ended, or has not configured it yet); nothing was applied"
+            )
         if token != self.token:
             why = (
                 "it was restarted after its process died and is not restored yet"

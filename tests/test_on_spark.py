@@ -238,6 +238,80 @@ def test_an_executor_without_a_raylet_on_its_host_is_named():
     assert executors_without_raylet(executors, ["10.0.0.1", "10.0.0.2"], 2) == []
 
 
+class _RecordingTime:
+    """A ``time`` module whose sleeps are only recorded (the real clock otherwise)."""
+
+    def __init__(self) -> None:
+        self.slept: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def _ray_on_spark_module(in_use: bool) -> Any:
+    import types
+
+    return types.SimpleNamespace(
+        time=_RecordingTime(),
+        _RAY_HEAD_STARTUP_TIMEOUT=3600,  # a full sleep would outlast pytest-timeout
+        is_port_in_use=lambda ip, port: in_use,
+    )
+
+
+def _after_head_launch(module: Any, proc: Any, seconds: float | None = None) -> None:
+    """What Ray on Spark's setup does right after launching its head."""
+    ray_head_ip, ray_head_port, ray_head_proc = "127.0.0.1", 6379, proc  # noqa: F841
+    module.time.sleep(module._RAY_HEAD_STARTUP_TIMEOUT if seconds is None else seconds)
+
+
+def test_ray_on_sparks_wait_for_its_head_ends_once_the_head_listens_or_has_exited():
+    from hybrid_iter._runtime.ray_on_spark import _HeadStartWait
+
+    with subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    ) as running:
+        try:
+            listening = _ray_on_spark_module(in_use=True)
+            recorded = listening.time
+            listening.time = _HeadStartWait(listening)
+            _after_head_launch(listening, running)  # listening: back at once
+            assert 3600 not in recorded.slept
+            # another sleep, or one whose caller holds no head, is the real one
+            _after_head_launch(listening, running, seconds=3)
+            assert recorded.slept[-1] == 3
+            listening.time.sleep(3600)
+            assert recorded.slept[-1] == 3600
+        finally:
+            running.stdin.close()
+    exited = _ray_on_spark_module(in_use=False)
+    recorded = exited.time
+    exited.time = _HeadStartWait(exited)
+    _after_head_launch(exited, running)  # not listening, but the head has exited
+    assert 3600 not in recorded.slept and all(s <= 0.1 for s in recorded.slept)
+
+
+def test_the_head_wait_is_swapped_in_only_around_the_setup_and_matches_ray_on_spark():
+    import inspect
+
+    from ray.util.spark import cluster_init
+
+    from hybrid_iter._runtime.ray_on_spark import _head_start_polled
+
+    with _head_start_polled():
+        assert type(cluster_init.time).__name__ == "_HeadStartWait"
+        assert cluster_init.time.monotonic is time.monotonic
+    assert cluster_init.time is time
+    # the shape of Ray on Spark's setup the wait reads: a change in Ray would only make
+    # the wait the full 20 s again, which this says first
+    source = inspect.getsource(cluster_init._setup_ray_cluster)
+    assert "time.sleep(_RAY_HEAD_STARTUP_TIMEOUT)" in source
+    for name in ("ray_head_ip", "ray_head_port", "ray_head_proc", "is_port_in_use("):
+        assert name in source
+
+
 # -- on a local-cluster master (the subprocess) ------------------------------------------
 
 

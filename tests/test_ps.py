@@ -367,6 +367,51 @@ def test_an_async_shard_sends_a_version_as_an_array_once_then_shares_one_put():
     assert "cpu_seconds" in shard.info()
 
 
+def test_a_shard_that_forgot_its_run_refuses_its_calls_and_serves_the_next_as_a_new_one():
+    """A dense run's shards go back to the spare pool emptied (``forget``): a late call of
+    the ended run is refused with nothing applied, a waiting sync pull is released with
+    the refusal, and the next run's ``configure`` gives exactly a new shard's behaviour."""
+    from coordinator._errors import StaleShardCall
+    from coordinator._ps import FreeShard
+
+    def steps(shard, token):
+        for step in range(3):
+            shard.push(0, 0, step, np.arange(4.0) + step, 1.0, False, False, token=token)
+        return shard.pull(0, 0, token=token)[:2], shard.info()
+
+    first = ShardSpec(0, 0, 4, np.ones(4), "sgd", {"learning_rate": 0.5}, 1, False, token="a")
+    shard = FreeShard(first, put=None)
+    steps(shard, "a")
+    assert shard.forget() is True
+    with pytest.raises(StaleShardCall, match="serves no run"):
+        shard.push(0, 0, 3, np.ones(4), 1.0, False, False, token="a")
+    second = dataclasses.replace(first, init=np.full(4, 2.0), token="b")
+    assert shard.configure(second)[0] == "b"
+    with pytest.raises(StaleShardCall):  # the first run's token is not the second's
+        shard.pull(0, 0, token="a")
+    got, info = steps(shard, "b")
+    want, fresh_info = steps(FreeShard(second, put=None), "b")
+    assert got[0] == want[0] and got[1].tobytes() == want[1].tobytes()
+    volatile = ("cpu_seconds", "pid", "apply_seconds")
+    assert {k: v for k, v in info.items() if k not in volatile} == {
+        k: v for k, v in fresh_info.items() if k not in volatile
+    }
+    with pytest.raises(hi.UsageError, match="configured already"):
+        shard.configure(second)
+
+    sync = ParameterShard(dataclasses.replace(first, sync=True, num_workers=2), put=None)
+
+    async def waiting_pull_released():
+        waiting = asyncio.ensure_future(sync.pull(0, 1, token="a"))  # step 1 never comes
+        await asyncio.sleep(0)  # the pull reaches its wait (one turn of the loop)
+        assert not waiting.done()
+        assert sync.forget() is True
+        with pytest.raises(StaleShardCall, match="run ended"):
+            await waiting
+
+    asyncio.run(waiting_pull_released())
+
+
 def test_a_shards_bytes_out_count_the_dense_values_each_reply_hands_out():
     """``bytes_out`` (the progress line's kB/call, the benchmarks' bytes per step) counts
     the dense range a reply carries, inline or as a reference into the object store

@@ -213,3 +213,42 @@ def test_runs_take_the_spare_shards_and_train_the_same_model_as_fresh_ones(sessi
         _wait_up(placement.spares(kind))
     finally:
         df.unpersist()
+
+
+def _dense_run(df: Any) -> tuple[list[int], bytes]:
+    from hybrid_iter import ps
+
+    def linear(params: Any, batch: Any) -> Any:
+        r = batch["x"] @ params["w"] - batch["y"]
+        return float(r @ r) / len(r), {"w": batch["x"].T @ r / len(r)}
+
+    out = ps.train(
+        df, linear, {"w": np.zeros(3)}, columns=["x", "y"], epochs=3, batch_size=20, progress=False
+    )
+    return sorted(int(i["pid"]) for i in out.shards), out.params["w"].tobytes()
+
+
+def test_a_dense_runs_shards_serve_the_next_run_emptied_and_it_trains_the_same_model(session):
+    """A dense model is all on the driver once its run ends: its shards go back to the
+    pool emptied (their processes are up, so the next run skips their start) instead of
+    ending, and a run on them trains the bit-for-bit same model as on new shards."""
+    from hybrid_iter.ps._train import shard_kind
+
+    rng = np.random.default_rng(2)
+    rows = [([float(v) for v in rng.normal(size=3)], float(rng.normal())) for _ in range(120)]
+    df = session.spark.createDataFrame(
+        session.spark.sparkContext.parallelize(rows, PARTS), "x array<double>, y double"
+    )
+    kind = shard_kind(True, None, False, PARTS)
+    _drain(kind)  # only this test's shards in the pool
+    first_pids, first = _dense_run(df)
+    from hybrid_iter._runtime import placement
+
+    assert len(placement.spares(kind)) == len(first_pids)  # kept, not ended
+    second_pids, second = _dense_run(df)
+    assert second_pids == first_pids  # the same processes served the next run
+    assert second == first
+    assert _drain(kind)  # the second run's shards went back too
+    fresh_pids, fresh = _dense_run(df)
+    assert not set(fresh_pids) & set(first_pids)
+    assert fresh == first

@@ -46,7 +46,9 @@ The few calls into Spark's JVM are in functions named ``_jvm_*`` at the end (thr
 ``spark_ops._spark_compat``, which holds every JVM call); the uses of
 Ray's internals are ``_refresh_ray_auth`` (Ray's config reread) and, for Ray on Spark's
 running cluster (its address, head process, job server), ``_active_cluster_address``,
-``_head_process`` and ``_stop_worker_nodes``.
+``_head_process`` and ``_stop_worker_nodes``; and ``_head_start_polled``, which turns
+Ray on Spark's fixed 20 s wait for its head into a wait for the head's port (a
+session started here is ready about 20 s sooner).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -848,12 +851,13 @@ def _setup(
     os.environ[_HOOK_ENV] = hook
     _jvm_make_active(spark)  # Ray on Spark takes the thread's active SparkSession
     try:
-        address, _ = setup_ray_cluster(
-            max_worker_nodes=nodes,
-            min_worker_nodes=nodes,
-            num_cpus_worker_node=node_cpus,
-            **options,
-        )
+        with _head_start_polled():
+            address, _ = setup_ray_cluster(
+                max_worker_nodes=nodes,
+                min_worker_nodes=nodes,
+                num_cpus_worker_node=node_cpus,
+                **options,
+            )
     except Exception as ex:
         raise SessionError(
             f"{_WHERE}: Ray on Spark could not start {nodes} Ray worker node(s) of "
@@ -872,6 +876,67 @@ def _setup(
         _shutdown_cluster()
         raise
     return str(address)
+
+
+class _HeadStartWait:
+    """Stands in for the ``time`` module of Ray on Spark's ``cluster_init`` while
+    ``_setup`` calls it. After launching the head, Ray on Spark sleeps a fixed
+    ``_RAY_HEAD_STARTUP_TIMEOUT`` (20 s) and then checks once that the head's GCS port
+    is in use. This sleep returns as soon as that check would pass (or the head process
+    has exited, which Ray's check then reports), within the same 20 s; the driver's
+    ``ray.init`` that follows waits for the head's raylet itself. Every other sleep, a
+    sleep in another thread, and a caller that does not hold the head's address and
+    process (another Ray version) get the real, full sleep."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+        self._time = module.time
+        self._thread = threading.get_ident()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._time, name)
+
+    def sleep(self, seconds: float) -> None:
+        head = self._head(seconds, sys._getframe(1).f_locals)
+        if head is None:
+            self._time.sleep(seconds)
+            return
+        ip, port, proc, in_use = head
+        deadline = time.monotonic() + seconds
+        while not in_use(ip, port) and proc.poll() is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._time.sleep(min(0.1, left))  # polling the head's start, bounded
+
+    def _head(self, seconds: float, caller: Mapping[str, Any]) -> tuple[Any, ...] | None:
+        if threading.get_ident() != self._thread:
+            return None
+        if seconds != getattr(self._module, "_RAY_HEAD_STARTUP_TIMEOUT", None):
+            return None
+        ip, port = caller.get("ray_head_ip"), caller.get("ray_head_port")
+        proc, in_use = caller.get("ray_head_proc"), getattr(self._module, "is_port_in_use", None)
+        if not (isinstance(ip, str) and isinstance(port, int) and callable(in_use)):
+            return None
+        if not callable(getattr(proc, "poll", None)):
+            return None
+        return ip, port, proc, in_use
+
+
+@contextlib.contextmanager
+def _head_start_polled() -> Iterator[None]:
+    """``_HeadStartWait`` in place of ``cluster_init.time`` for the duration."""
+    from ray.util.spark import cluster_init
+
+    real = getattr(cluster_init, "time", None)
+    if real is not time:  # not the module this was written against: leave it alone
+        yield
+        return
+    setattr(cluster_init, "time", _HeadStartWait(cluster_init))  # noqa: B010 (a stand-in)
+    try:
+        yield
+    finally:
+        cluster_init.time = real
 
 
 def _join(address: str, current: str | None, connect_timeout: float) -> str:

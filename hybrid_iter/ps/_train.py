@@ -61,6 +61,7 @@ from .._runtime.placement import (
     kill,
     launch,
     launch_held,
+    retire_as_spare,
     take_spares,
 )
 from .._runtime.ray_util import NAMESPACE
@@ -607,7 +608,9 @@ def train(
     def run_once() -> TrainResult:
         # new shards from ``init`` each launch: a relaunch never sees a failed one's updates
         shards: list[Any] = []
+        shard_names: list[str] = []
         model: Model | None = None
+        ended_well = False
         made = _Made(layout, specs, key_cols, [], [], [], predict_fn, names, widths, csr, address)
         try:
             # the shards' processes start while the Spark stage starts and reads its
@@ -690,6 +693,7 @@ def train(
             values = _get([s.values.remote() for s in shards])
             info = _get([s.info.remote(HOT_TOP) for s in shards])
             model = made.model(values)
+            ended_well = True
         except WorkerDiedError:
             raise  # relaunched from ``init`` below: nothing of this launch is kept
         except IterationFailedError as ex:
@@ -698,11 +702,15 @@ def train(
             failed = TrainFailedError(ex.message, ex.failures, model.params if model else None)
             raise failed.with_traceback(ex.__traceback__) from ex.__cause__
         finally:
-            if model is None or not model.tables:
-                stop_shards(shards)  # a dense model is all on the driver now
+            kind = shard_kind(mode == "sync", staleness_steps, served is not None, n)
+            if model is None or not model.tables:  # a dense model is all on the driver now
+                if ended_well and not config.restarts:
+                    # the next run of this kind takes them, up and emptied
+                    retire_shards(kind, shards, shard_names)
+                else:
+                    stop_shards(shards)
             if not config.restarts:
                 # the next run of this kind takes processes started now, in the background
-                kind = shard_kind(mode == "sync", staleness_steps, served is not None, n)
                 keep_shard_spares(kind, len(bounds) - 1)
         return TrainResult(model.params, result, info, model)
 
@@ -1021,6 +1029,14 @@ def launch_table_shards(
     )
     token = _get([handles[0].hello.remote()])[0][0]
     return address, names, handles, token
+
+
+def retire_shards(kind: ActorKind, handles: Sequence[Any], names: Sequence[str]) -> None:
+    """The shards of a run that ended well, emptied (``forget``) into the spare pool of
+    ``kind``; one that declines or cannot be reached is killed (driver; never raises)."""
+    for i, (handle, name) in enumerate(zip(handles, names, strict=True)):
+        if not retire_as_spare(kind, handle, name, method="forget"):
+            kill(handle, f"parameter shard {i}")
 
 
 def stop_shards(handles: Sequence[Any]) -> None:
