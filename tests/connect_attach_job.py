@@ -39,8 +39,12 @@ spark = (SparkSession.builder.master("local[2]")
     .config("spark.connect.grpc.binding.port", sys.argv[1]).getOrCreate())
 spark.sparkContext.setLogLevel("ERROR")
 print("READY", flush=True)
-for line in sys.stdin:  # "jobs": how many Spark jobs the server ran so far
-    print("JOBS", len(spark.sparkContext.statusTracker().getJobIdsForGroup()), flush=True)
+for line in sys.stdin:  # "jobs": Spark jobs run so far; "active": stages running now
+    tracker = spark.sparkContext.statusTracker()
+    if line.strip() == "active":
+        print("ACTIVE", len(tracker.getActiveStageIds()), flush=True)
+    else:
+        print("JOBS", len(tracker.getJobIdsForGroup()), flush=True)
 spark.stop()
 """
 
@@ -86,11 +90,18 @@ class _Server:
         if not line.startswith("READY"):
             raise RuntimeError(f"the Spark Connect server did not start: {line!r}")
 
-    def jobs(self) -> int:
+    def _ask(self, what: str) -> int:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write("jobs\n")
+        self.proc.stdin.write(what + "\n")
         self.proc.stdin.flush()
         return int(self.proc.stdout.readline().split()[1])
+
+    def jobs(self) -> int:
+        """Every Spark job the server ran so far (Connect jobs carry tags, not a group)."""
+        return self._ask("jobs")
+
+    def active_stages(self) -> int:
+        return self._ask("active")
 
     def stop(self) -> None:
         assert self.proc.stdin is not None
@@ -126,10 +137,73 @@ def main(case: str = "all") -> int:
     return 0
 
 
+BLOCK_SECONDS = 120.0  # a task that is never cancelled ends by itself after this
+
+
+def block(batches: Any) -> Any:
+    """The workload of the job to cancel: holds its task until cancelled (bounded)."""
+    import time
+
+    deadline = time.monotonic() + BLOCK_SECONDS
+    for batch in batches:
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        yield batch
+
+
+def lines(remote: Any, server: _Server) -> dict:
+    """What ``spark_ops._spark_compat`` makes of a Connect client, before this process has
+    Ray: recognised as Connect; ``Session.attach`` to a Ray that cannot be reached refused
+    with no Spark job run; a ``JobTag`` cancelling a Connect job of another thread."""
+    import threading
+    import time
+
+    import ray
+
+    import hybrid_iter as hi
+    from spark_ops._spark_compat import JobTag, is_connect
+
+    out: dict[str, Any] = {"is_connect": is_connect(remote), "rows": remote.range(5).count()}
+    before = server.jobs()
+    try:
+        hi.Session.attach(remote, ray_address="127.0.0.1:1")
+        out["attach"] = "accepted"
+    except hi.SessionError as ex:
+        out["attach"] = "refused"
+        out["attach_message"] = str(ex)
+    out["jobs_for_attach"] = server.jobs() - before
+    out["ray_initialized"] = ray.is_initialized()
+
+    tag = JobTag(remote, "hybrid_iter.connect-test")
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            with tag.on_this_thread():
+                remote.range(1, numPartitions=1).mapInArrow(block, "id long").collect()
+            outcome["result"] = "finished"
+        except Exception as ex:
+            outcome["result"] = "failed"
+            outcome["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.active_stages() and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling the server for the job's start, bounded
+    out["job_started"] = bool(server.active_stages())
+    tag.cancel()
+    thread.join(BLOCK_SECONDS + 30)
+    out["cancel"] = outcome
+    return out
+
+
 def _run(server: _Server, tmp: Path) -> dict:
     from pyspark.sql import SparkSession
 
     remote = SparkSession.builder.remote(f"sc://127.0.0.1:{server.port}").getOrCreate()
+    report: dict[str, Any] = {}
+    _check(report, "lines", lambda: lines(remote, server))  # before this process has Ray
     import ray
 
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, namespace="connect")
@@ -140,7 +214,6 @@ def _run(server: _Server, tmp: Path) -> dict:
     import hybrid_iter as hi
     from hybrid_iter.testing import FaultInjection
 
-    report: dict[str, Any] = {}
     session = hi.Session.attach(remote)
     report["session"] = repr(session)
     df = features(remote)

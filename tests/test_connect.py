@@ -1,7 +1,9 @@
 """``Session.attach`` of a Spark Connect client: bounded iterations and the ml
 estimators and ``ps.train`` run through the coordinator's and the shards' endpoints
 with no Ray (nor py4j) beside the server's tasks, and give the classic session's
-results; online iterations are refused before any job. One Connect server (``connect_attach_job.py``,
+results; online iterations are refused before any job. Before this process has Ray: the
+client is recognised as Connect, ``Session.attach`` to an unreachable Ray is refused with
+no job run, and a job tag cancels a Connect job. One Connect server (``connect_attach_job.py``,
 a process of its own) serves every check; the classic side runs here."""
 
 from __future__ import annotations
@@ -39,6 +41,30 @@ def test_a_connect_client_attaches_without_a_jvm(connect):
     assert "sc://127.0.0.1:" in connect["session"]
     assert connect["client_jvm"] is False
     assert connect["client_classic_context"] is False
+
+
+def test_a_connect_session_is_recognised(connect, spark):
+    from spark_ops._spark_compat import is_connect
+
+    lines = _ok(connect, "lines")
+    assert lines["is_connect"] is True and is_connect(spark) is False
+    assert lines["rows"] == 5
+
+
+def test_attach_of_a_connect_session_to_an_unreachable_ray_fails_naming_it_before_any_job(
+    connect,
+):
+    lines = _ok(connect, "lines")
+    assert lines["attach"] == "refused"
+    assert "127.0.0.1:1" in lines["attach_message"]
+    assert lines["jobs_for_attach"] == 0
+    assert lines["ray_initialized"] is False
+
+
+def test_a_job_tag_cancels_a_connect_job(connect):
+    lines = _ok(connect, "lines")
+    assert lines["job_started"] is True
+    assert lines["cancel"]["result"] == "failed", lines["cancel"]  # not ended by its own bound
 
 
 def test_a_sync_iteration_over_connect_equals_the_classic_run_bit_for_bit(connect, spark):

@@ -1,7 +1,7 @@
 """The Spark lines (3.5 and 4.x) through their one compatibility module,
 ``spark_ops/_spark_compat.py``: versions refused before anything starts, RayDP's
-requirements, job tags, Arrow types with time zones, observed metrics, and a real Spark
-Connect session recognised and refused by ``Session.attach``."""
+requirements, job tags, Arrow types with time zones, observed metrics. (A real Spark Connect session, recognised,
+its job tags and ``Session.attach``'s refusals: ``test_connect.py``, on its server.)"""
 
 from __future__ import annotations
 
@@ -251,54 +251,6 @@ def test_a_classic_session_is_not_connect(spark):
     assert not compat.is_connect(spark)
     assert compat.is_session(spark)
     assert not compat.is_session(object())
-
-
-# -- Spark Connect -------------------------------------------------------------------------
-
-
-def _connect_server_available() -> bool:
-    import pyspark
-
-    jars = Path(pyspark.__file__).parent / "jars"
-    return any(p.name.startswith("spark-connect_") for p in jars.glob("*.jar"))
-
-
-@pytest.fixture(scope="module")
-def connect_job() -> dict:
-    if not _connect_server_available():
-        pytest.skip(
-            f"PySpark {compat.spark_version_string()} does not ship Spark Connect's server "
-            f"(PySpark >= 4.0 does)"
-        )
-    proc = _run("import sys, connect_job; sys.exit(connect_job.main())", timeout=400)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[0][len("RESULT ") :])
-
-
-def test_a_connect_session_is_recognised(connect_job):
-    assert connect_job["is_connect"] is True
-    assert connect_job["classic_is_connect"] is False
-    assert connect_job["rows"] == 5
-
-
-def test_attach_of_a_connect_session_to_an_unreachable_ray_fails_naming_it_before_any_job(
-    connect_job,
-):
-    # a Connect session is accepted (test_connect.py runs on one); a Ray that cannot
-    # be reached is named, and nothing ran for it
-    assert connect_job["attach"] == "refused"
-    message = connect_job["attach_message"]
-    assert "127.0.0.1:1" in message
-    assert connect_job["jobs_for_attach"] == 0
-    assert connect_job["ray_initialized"] is False
-
-
-def test_a_job_tag_cancels_a_connect_job(connect_job):
-    assert connect_job["job_started"] is True
-    cancel = connect_job["cancel"]
-    assert cancel["result"] == "failed", cancel  # not ended by its own bound
 
 
 def test_a_streaming_parquet_source_is_recognised_from_its_plan(spark, tmp_path):

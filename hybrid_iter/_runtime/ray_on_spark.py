@@ -899,7 +899,7 @@ class _HeadStartWait:
     def sleep(self, seconds: float) -> None:
         head = self._head(seconds, sys._getframe(1).f_locals)
         if head is None:
-            self._time.sleep(seconds)
+            self._time.sleep(seconds)  # the caller's own sleep, as it wrote it
             return
         ip, port, proc, in_use = head
         deadline = time.monotonic() + seconds
@@ -907,7 +907,7 @@ class _HeadStartWait:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            self._time.sleep(min(0.1, left))  # polling the head's start, bounded
+            time.sleep(min(0.1, left))  # polling the head's start, bounded
 
     def _head(self, seconds: float, caller: Mapping[str, Any]) -> tuple[Any, ...] | None:
         if threading.get_ident() != self._thread:
