@@ -47,8 +47,9 @@ The few calls into Spark's JVM are in functions named ``_jvm_*`` at the end (thr
 Ray's internals are ``_refresh_ray_auth`` (Ray's config reread) and, for Ray on Spark's
 running cluster (its address, head process, job server), ``_active_cluster_address``,
 ``_head_process`` and ``_stop_worker_nodes``; and ``_head_start_polled``, which turns
-Ray on Spark's fixed 20 s wait for its head into a wait for the head's port (a
-session started here is ready about 20 s sooner).
+Ray on Spark's fixed 20 s wait for its head into a wait for the head's port (the head
+is up in about a second; the worker nodes, launched beside it, then set when the
+session is ready).
 """
 
 from __future__ import annotations
