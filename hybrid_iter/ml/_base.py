@@ -182,15 +182,15 @@ def run_iteration(
     """One iteration over the plan's columns of ``df`` (read once into each subtask);
     with ``plan.stored`` reading, over a stand-in of one row per partition (the tasks
     read their arrays from the array cache, ``with_array_cache``). ``data``: the
-    DataFrame of exactly those columns of ``df`` to read (``read_columns``); by default
-    their ``select``.
+    DataFrame of exactly those columns of ``df`` to read; by default ``read_columns``'
+    (a caller that asked it already passes its answer).
     ``hooks``: test hooks (``hybrid_iter.testing``) at the runtime's hook points."""
     if plan.stored is not None and plan.stored.read:
         n = plan.stored.num_partitions
         stream = DataStream(_stand_in(df.sparkSession, n))
     else:
         if data is None:
-            data = df.select(*plan.input_columns)
+            _, data = read_columns(df, plan.input_columns)
         stream = DataStream(data, numeric_columns=plan.scalar_columns or None)
     config = IterationConfig(
         staleness=staleness,
