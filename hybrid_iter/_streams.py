@@ -56,6 +56,8 @@ class DataStream:
             )
         if self.numeric_columns is None:
             return
+        from pyspark.errors import PySparkTypeError
+
         from spark_ops._spark_compat import to_arrow_type
 
         fields = {f.name: f for f in self.df.schema.fields}
@@ -68,12 +70,16 @@ class DataStream:
             dtype = fields[name].dataType
             try:
                 arrow = to_arrow_type(dtype)
-            except Exception:
-                arrow = None
-            element = getattr(arrow, "value_type", None) if arrow is not None else None
-            ok = arrow is not None and (
-                is_numeric_arrow_type(arrow)
-                or (element is not None and is_numeric_arrow_type(element))
+            except PySparkTypeError as ex:  # PySpark's refusal of the type, nothing else
+                raise IterationConfigError(
+                    f"data stream {index}: column {name!r} has type {dtype.simpleString()}, "
+                    f"which Spark cannot hand to Python through Arrow ({ex}); cast it to a "
+                    f"numeric type (F.col({name!r}).cast('double')) or leave it out of "
+                    f"numeric_columns"
+                ) from ex
+            element = getattr(arrow, "value_type", None)
+            ok = is_numeric_arrow_type(arrow) or (
+                element is not None and is_numeric_arrow_type(element)
             )
             if not ok:
                 raise IterationConfigError(

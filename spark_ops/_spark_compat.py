@@ -3,21 +3,26 @@ JVM internals, in one place (driver side unless a function says otherwise).
 
 Supported: the 3.5 line (what RayDP 1.6.5 runs on) and 4.0 to 4.3. A new Spark release
 is a change here: its version in ``SUPPORTED``, and whatever below reads the JVM
-differently. Nothing else in ``hybrid_iter`` or ``spark_ops`` touches ``_jdf``,
+differently. What differs is detected by what this PySpark offers (a keyword in a
+signature, an attribute, a JVM class), never guessed from the version number: only the
+supported lines and RayDP's requirements are decided by version. Every function here is
+run in every CI environment that can reach it (``tests/spark_lines/``, which fails when
+one is run by none). Nothing else in ``hybrid_iter`` or ``spark_ops`` touches ``_jdf``,
 ``_jsc``, ``_jvm``, the py4j gateway, query plans or RDD storage info
 (``tests/test_layout.py`` checks it).
 
 * Versions: ``spark_version()``, ``check_spark_version()`` (an unsupported Spark is an
   ``UnsupportedSparkVersion`` naming it and the fix), ``raydp_problem()`` (why RayDP
-  cannot run here, or None), ``dataframe_barrier_paths(spark)`` (Spark >= 4.1 can route
-  a barrier stage's streams by DataFrame operations alone).
+  cannot run here, or None), ``dataframe_barrier_paths(spark)`` (whether the barrier
+  stage's streams can be routed by DataFrame operations alone: ``repartitionById``).
 * Sessions: ``is_connect(spark)`` (a Spark Connect client has no JVM in this process).
 * Jobs: ``JobTag`` tags the Spark jobs a thread starts and cancels them from any thread:
   ``SparkContext`` job tags on classic Spark (3.5 and 4.x; they also reach RDD jobs),
   session tags (``addTag`` / ``interruptTag``) on Spark Connect.
-* Types: ``to_arrow_schema`` / ``to_arrow_type`` (Spark 4 wants a time zone for
-  ``TimestampType``; Spark 3.5 always used UTC), ``observed_metrics`` (a streaming
-  progress' observed metrics: dicts on 3.5, ``Row``s on 4.x), ``collect_arrow``.
+* Types: ``to_arrow_schema`` / ``to_arrow_type`` (``TimestampType`` as UTC, by the keyword
+  each line takes), ``python_binary_type`` (``bytes`` or ``bytearray``),
+  ``observed_metrics`` (a streaming progress' observed metrics: dicts on 3.5, ``Row``s
+  on 4.x), ``collect_arrow``.
 * JVM internals: task slots, planned partition counts, cached relations and persisted
   RDDs, RDD storage sizes, a streaming file source's options, executor hosts, the
   process' JVM (a running SparkContext, a class on its classpath, its pid).
@@ -125,10 +130,16 @@ def raydp_problem_of(raydp: str | None, spark: str) -> str | None:
 
 
 def dataframe_barrier_paths(spark: Any) -> bool:
-    """Whether the barrier stage's multi-stream and replay paths run through DataFrame
-    operations (``repartitionById``, Spark >= 4.1) rather than RDDs."""
-    del spark  # the same answer for classic and Connect sessions of one PySpark
-    return spark_version()[:2] >= (4, 1)
+    """Whether the barrier stage's multi-stream and replay paths can run through
+    DataFrame operations: whether ``spark``'s DataFrames offer ``repartitionById``
+    (PySpark >= 4.1, classic and Connect) rather than only RDDs."""
+    if is_connect(spark):
+        from pyspark.sql.connect.dataframe import DataFrame as ConnectFrame
+
+        return hasattr(ConnectFrame, "repartitionById")
+    from pyspark.sql import DataFrame
+
+    return hasattr(DataFrame, "repartitionById")
 
 
 # -- sessions ------------------------------------------------------------------------------
@@ -218,23 +229,37 @@ class JobTag:
 # -- types ---------------------------------------------------------------------------------
 
 
+@functools.cache
+def _utc_timestamps() -> dict[str, Any]:
+    """The keyword PySpark's ``to_arrow_type`` / ``to_arrow_schema`` take to give
+    ``TimestampType`` as UTC, read off their signature: ``timezone`` (PySpark >= 4.2),
+    ``timestamp_utc`` (4.0 and 4.1, UTC by default but said here), none (3.5, always
+    UTC)."""
+    import inspect
+
+    from pyspark.sql.pandas.types import to_arrow_type as convert
+
+    params = inspect.signature(convert).parameters
+    if "timezone" in params:
+        return {"timezone": "UTC"}
+    if "timestamp_utc" in params:
+        return {"timestamp_utc": True}
+    return {}
+
+
 def to_arrow_schema(struct: Any) -> pa.Schema:
     """The Arrow schema Spark exchanges ``struct`` with Python as; ``TimestampType`` as
-    UTC microseconds on every line (Spark 4 asks for the time zone, 3.5 took UTC)."""
+    UTC microseconds on every line (``_utc_timestamps``)."""
     from pyspark.sql.pandas.types import to_arrow_schema as convert
 
-    if spark_version() >= (4, 0, 0):
-        return convert(struct, timezone="UTC")
-    return convert(struct)
+    return convert(struct, **_utc_timestamps())
 
 
 def to_arrow_type(data_type: Any) -> pa.DataType:
     """The Arrow type of one Spark data type (``TimestampType``: UTC, as above)."""
     from pyspark.sql.pandas.types import to_arrow_type as convert
 
-    if spark_version() >= (4, 0, 0):
-        return convert(data_type, timezone="UTC")
-    return convert(data_type)
+    return convert(data_type, **_utc_timestamps())
 
 
 def from_arrow_schema(schema: pa.Schema) -> Any:
@@ -245,11 +270,20 @@ def from_arrow_schema(schema: pa.Schema) -> Any:
     return convert(schema, prefer_timestamp_ntz=True)
 
 
+@functools.cache
 def python_binary_type() -> type:
     """What ``df.collect()`` gives a ``BinaryType`` value as (driver and tasks): ``bytes``
-    from Spark 4.1 on (``spark.sql.execution.pyspark.binaryAsBytes``, default true: a
-    session that turns it off is not followed), ``bytearray`` before."""
-    return bytes if spark_version() >= (4, 1, 0) else bytearray
+    where PySpark's Arrow-to-rows conversion takes ``binary_as_bytes`` and defaults it to
+    true (4.1 on: ``spark.sql.execution.pyspark.binaryAsBytes``; a session that turns
+    it off is not followed), ``bytearray`` where it has no such keyword (3.5, 4.0)."""
+    import inspect
+
+    try:
+        from pyspark.sql.conversion import ArrowTableToRowsConversion
+    except ImportError:  # PySpark 3.5 has no such module: Rows carry bytearray
+        return bytearray
+    param = inspect.signature(ArrowTableToRowsConversion.convert).parameters.get("binary_as_bytes")
+    return bytes if param is not None and param.default is True else bytearray
 
 
 def observed_metrics(progress: Any, name: str) -> dict[str, Any] | None:
@@ -274,7 +308,7 @@ def collect_arrow(df: DataFrame) -> pa.Table:
     import pyarrow as pa
 
     frame: Any = df  # typed by whichever PySpark is installed
-    if spark_version() >= (4, 0, 0):  # toArrow: classic and Connect
+    if hasattr(frame, "toArrow"):  # PySpark >= 4.0, classic and Connect
         return frame.toArrow()
     batches = frame._collect_as_arrow()
     if batches:
@@ -490,13 +524,18 @@ def _of_plan(df: DataFrame, plan: Any) -> DataFrame:
     spark = df.sparkSession
     jvm = spark.sparkContext._jvm
     assert jvm is not None  # a started classic SparkContext has its gateway
-    package = (
-        jvm.org.apache.spark.sql.classic
-        if spark_version() >= (4, 0, 0)
-        else jvm.org.apache.spark.sql
-    )
-    jdf = package.Dataset.ofRows(spark._jsparkSession, plan)
+    jdf = _dataset_class(jvm).ofRows(spark._jsparkSession, plan)
     return PyDataFrame(jdf, spark)
+
+
+def _dataset_class(jvm: Any) -> Any:
+    """The JVM class whose ``ofRows`` makes a classic ``Dataset``: the
+    ``org.apache.spark.sql.classic`` one where the JVM has that package (Spark 4), else
+    ``org.apache.spark.sql.Dataset`` (3.5)."""
+    from py4j.java_gateway import JavaClass
+
+    classic = jvm.org.apache.spark.sql.classic.Dataset
+    return classic if isinstance(classic, JavaClass) else jvm.org.apache.spark.sql.Dataset
 
 
 def streaming_file_source(df: DataFrame) -> tuple[str, dict[str, str]] | None:

@@ -33,6 +33,16 @@ atexit.register(shutil.rmtree, os.environ["HYBRID_ITER_CACHE_DIR"], True)
 # tests of the exported metrics wait for them (what is exported is the same)
 os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 
+# which functions of spark_ops/_spark_compat.py run (test_spark_lines.py checks that each
+# runs in every environment that can reach it); fresh processes append theirs to this file
+import compat_trace  # noqa: E402
+
+os.environ[compat_trace.TRACE_ENV] = os.path.join(
+    tempfile.mkdtemp(prefix="hybrid-iter-compat-trace-"), "ran.txt"
+)
+atexit.register(shutil.rmtree, os.path.dirname(os.environ[compat_trace.TRACE_ENV]), True)
+compat_trace.install()
+
 #: Task slots of the shared session: enough for 1-4 partition tests on 2 cores.
 SLOTS = 4
 
@@ -179,3 +189,33 @@ def _recording(init, made):
         made.append(self)
 
     return recording_init
+
+
+# -- the compatibility set (pytest -m spark_lines) ---------------------------------------
+
+_CHECK = "test_every_function_of_the_compatibility_module_runs_in_this_environment"
+_deselected_compat: list[str] = []
+
+
+def pytest_deselected(items):
+    _deselected_compat.extend(i.nodeid for i in items if i.get_closest_marker("spark_lines"))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    """The check that every compatibility function ran goes last, and learns whether the
+    whole compatibility set (and the whole suite) is in this run."""
+    checks = [i for i in items if i.name == _CHECK]
+    if not checks:
+        return
+    items[:] = [i for i in items if i.name != _CHECK] + checks
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    marked_files = {p.name for p in tests.glob("test_*.py") if "mark.spark_lines" in p.read_text()}
+    collected = {Path(str(i.path)).name for i in items}
+    run = sys.modules[checks[0].module.__name__].COMPAT_RUN
+    run["complete"] = marked_files <= collected and not _deselected_compat
+    run["whole_suite"] = {p.name for p in tests.glob("test_*.py")} <= collected and not (
+        config.getoption("-k") or config.getoption("-m") not in ("", "not slow")
+    )

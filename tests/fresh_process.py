@@ -32,7 +32,13 @@ def run_job(
     }
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
-        [sys.executable, "-c", f"import sys, {module} as j; sys.exit(j.main({case!r}))"],
+        [
+            sys.executable,
+            "-c",
+            # the compat functions it runs count for test_spark_lines.py (compat_trace)
+            f"import sys, compat_trace; compat_trace.install(); import {module} as j; "
+            f"sys.exit(j.main({case!r}))",
+        ],
         cwd=str(TESTS),
         env=env,
         stdout=subprocess.PIPE,

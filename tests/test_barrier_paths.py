@@ -18,6 +18,8 @@ from spark_ops import _spark_compat as compat
 DATAFRAME_PATHS = compat.dataframe_barrier_paths(None)
 N = 2
 
+pytestmark = pytest.mark.spark_lines  # the compatibility set every CI environment runs
+
 
 @pytest.fixture(scope="module", autouse=True)
 def ship_this_module_by_value():

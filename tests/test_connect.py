@@ -17,6 +17,16 @@ from fresh_process import run_job
 from ops import GradientDescent, Recorder, RecordingCoordinator
 
 import hybrid_iter as hi
+from spark_ops import _spark_compat as compat
+
+pytestmark = [
+    pytest.mark.spark_lines,  # the compatibility set every CI environment runs
+    pytest.mark.skipif(
+        not compat.dataframe_barrier_paths(None),
+        reason=f"Spark Connect clients run on PySpark >= 4.1 (DataFrame.repartitionById); "
+        f"this is {compat.spark_version_string()}",
+    ),
+]
 
 
 @pytest.fixture(scope="module")

@@ -160,6 +160,7 @@ def test_terminate_on_max_iter_or_tol_stops_on_tolerance(spark, regression):
 # -- results ------------------------------------------------------------------------------
 
 
+@pytest.mark.spark_lines  # the compatibility set every CI environment runs
 @pytest.mark.parametrize("partitions", [1, 2, 3])
 def test_sync_equals_numpy_gradient_descent_for_any_partition_count(spark, regression, partitions):
     df, X, y = regression

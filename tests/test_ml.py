@@ -126,6 +126,7 @@ def numpy_gd(X, y, *, logistic, lr, iters, reg=0.0, en=0.0, intercept=True, sw=N
 # -- equality with numpy, and with MLlib --------------------------------------------------
 
 
+@pytest.mark.spark_lines  # the compatibility set every CI environment runs
 def test_logistic_sync_full_batch_equals_the_numpy_loop(data):
     df, X, label, *_ = data
     model = ml.LogisticRegression(
@@ -265,6 +266,7 @@ def test_mini_batch_sync_is_deterministic_and_async_ssp_converge(data):
 # -- transform, save, load ------------------------------------------------------------------
 
 
+@pytest.mark.spark_lines  # the compatibility set every CI environment runs
 def test_transform_keeps_the_schema_and_save_load_round_trips(spark, data, tmp_path):
     from pyspark.ml.linalg import VectorUDT
 

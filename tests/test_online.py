@@ -65,6 +65,7 @@ def run_to_end(spark, input_dir, parquet=False, **config):
         return variables.get("w", variables.get("total")), it.progress, it.outputs
 
 
+@pytest.mark.spark_lines  # the compatibility set every CI environment runs
 def test_sync_online_equals_numpy_per_batch_updates(spark, tmp_path):
     batches = [write_file(tmp_path, i) for i in range(5)]
     w, progress, outputs = run_to_end(spark, tmp_path)
@@ -304,6 +305,7 @@ def _hybrid_files(ckpt):
     return sorted(p.name for p in (ckpt / "hybrid_iter").iterdir())
 
 
+@pytest.mark.spark_lines  # the compatibility set every CI environment runs
 def test_bad_parquet_files_are_dead_lettered_and_the_stream_goes_on(spark, tmp_path):
     """A file that is not Parquet and one whose column has the wrong type go to the
     dead-letter path with their path, reason and batch id; the good files train the same

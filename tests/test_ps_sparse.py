@@ -131,6 +131,7 @@ def numpy_sync(bags, y, x, *, epochs, batch, update, dim=1, init=ZEROS, steps=No
     return table, dense
 
 
+@pytest.mark.spark_lines  # the compatibility set every CI environment runs
 def test_sync_sgd_on_a_table_equals_the_numpy_loop_bit_for_bit(clicks):
     df, bags, y, x = clicks
     init = {"w": ps.Table(dim=1), "a": np.zeros(1), "b": np.zeros(1)}
@@ -362,6 +363,7 @@ def test_a_2_pow_30_wide_sparse_vector_column_trains_in_bounded_memory(spark):
         out.close()
 
 
+@pytest.mark.spark_lines  # the compatibility set every CI environment runs
 def test_save_load_and_transform_round_trip(clicks, tmp_path, spark):
     """save writes each shard's rows (Parquet: key, values) and the dense parameters;
     load brings them into new shards (another shard count: rows re-hashed); transform

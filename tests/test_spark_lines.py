@@ -25,6 +25,8 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 SPARK4 = compat.spark_version() >= (4, 0, 0)
 
+pytestmark = pytest.mark.spark_lines
+
 
 @pytest.fixture(scope="module", autouse=True)
 def ship_this_module_by_value():
@@ -265,3 +267,226 @@ def test_a_streaming_parquet_source_is_recognised_from_its_plan(spark, tmp_path)
     assert name.lower().endswith("parquet") and options["path"] == path
     assert compat.streaming_file_source(stream.select((stream.id + 1).alias("id"))) is None
     assert compat.streaming_file_source(spark.range(3)) is None
+
+
+# -- each kind of spark_ops work over the types that differ between lines ---------------
+
+#: decimal, timestamp, date, map, binary, array and struct columns: what PySpark converts
+#: differently from line to line (time zones, bytes or bytearray, Rows)
+RICH = (
+    "k long, amount decimal(12,2), at timestamp, day date, tags map<string,bigint>, "
+    "blob binary, xs array<double>, point struct<x: double, y: double>"
+)
+
+
+@pytest.fixture(scope="module")
+def rich(spark):
+    import decimal
+
+    utc = dt.timezone.utc
+    rows = [
+        (
+            i % 3,
+            decimal.Decimal(f"{i}.25"),
+            dt.datetime(2024, 1, 1 + i, 12, 30, tzinfo=utc),
+            dt.date(2024, 2, 1 + i),
+            {"a": i, "b": -i},
+            bytes([i, 255 - i, 0]),
+            [float(i), 0.5],
+            (float(i), -float(i)),
+        )
+        for i in range(9)
+    ]
+    return spark.createDataFrame(rows, RICH).repartition(2)
+
+
+def _plain(value):
+    """A collected value in a form comparable across lines (Rows, bytearray, tz-aware)."""
+    from pyspark.sql import Row
+
+    if isinstance(value, Row):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, dt.datetime):
+        return value.astimezone(dt.timezone.utc) if value.tzinfo else value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _rows(df):
+    return sorted((tuple(_plain(v) for v in r) for r in df.collect()), key=repr)
+
+
+def test_map_partition_hands_every_type_over_as_spark_collects_it(spark, rich):
+    from spark_ops import full_window_partition
+
+    seen_types = []
+
+    def identity(rows):
+        for r in rows:
+            yield tuple(r)
+
+    def blob_type(rows):
+        for r in rows:
+            yield (r["k"], type(r["blob"]).__name__)
+
+    out = full_window_partition(rich).map_partition(identity, RICH)
+    assert _rows(out) == _rows(rich)
+    # a binary value reaches the function as this line's collect() gives it
+    seen_types = {
+        r[1]
+        for r in full_window_partition(rich).map_partition(blob_type, "k long, t string").collect()
+    }
+    assert seen_types == {compat.python_binary_type().__name__}
+    assert seen_types == {type(rich.first()["blob"]).__name__}
+
+
+def test_local_aggregation_over_decimals_dates_and_timestamps_equals_spark(spark, rich):
+    from pyspark.sql import functions as F
+
+    from spark_ops import local_key_by
+
+    view = local_key_by(rich.withColumn("x", F.col("amount").cast("double")), "k")
+    ours = [
+        view.count(alias="n"),
+        view.max("at", alias="latest"),
+        view.min("day", alias="first_day"),
+        view.max("amount", alias="top"),
+        view.sum("x", alias="total"),
+    ]
+    got = {}
+    for agg in ours:
+        for r in agg.df.collect():
+            got.setdefault(r["k"], []).append(_plain(r[1]))
+    want = {
+        r["k"]: [_plain(v) for v in list(r)[1:]]
+        for r in rich.groupBy("k")
+        .agg(
+            F.count("*"),
+            F.max("at"),
+            F.min("day"),
+            F.max("amount"),
+            F.sum(F.col("amount").cast("double")),
+        )
+        .collect()
+    }
+    assert got == want and len(got) == 3
+
+
+def test_side_inputs_carry_every_type_to_the_main_records(spark, rich):
+    from spark_ops import MapSideInput, with_side_inputs
+
+    side = MapSideInput(rich.filter("k = 0"), key="amount", value=["blob", "tags", "at"])
+    main = rich.select("k", "amount")
+
+    def look(row, ctx):
+        hit = ctx.side_input(side).get(row.amount)
+        return (
+            row.k,
+            row.amount,
+            None if hit is None else hit.blob,
+            None if hit is None else hit.at,
+        )
+
+    out = with_side_inputs(main, side).map(
+        look, "k long, amount decimal(12,2), blob binary, at timestamp"
+    )
+    want = {
+        (
+            r["k"],
+            r["amount"],
+            _plain(r["blob"]) if r["k"] == 0 else None,
+            _plain(r["at"]) if r["k"] == 0 else None,
+        )
+        for r in rich.collect()
+    }
+    assert {tuple(_plain(v) for v in r) for r in out.collect()} == want
+
+
+# -- the JVM's internals as this line lays them out ----------------------------------------
+
+
+def test_the_driver_jvm_its_classes_and_executors_are_read_on_this_line(session, spark):
+    pid = compat.jvm_pid(spark)
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        assert b"java" in f.read().split(b"\0")[0]
+    assert compat.jvm_has_class("org.apache.spark.SparkContext") is True
+    assert compat.jvm_has_class("org.apache.spark.NoSuchClassHere") is False
+    assert compat.executor_statuses(spark) == []  # local mode: the driver alone, left out
+    described = session.describe()  # the driver's host and no executor besides it
+    assert described["executors"] == 0 and len(described["spark_hosts"]) == 1
+    assert described["task_slots"] == compat.available_task_slots(spark)
+
+
+def test_hadoop_filesystems_are_looked_up_without_a_call(spark):
+    assert compat.hadoop_filesystem_class(spark, "file").endswith("LocalFileSystem")
+    assert compat.hadoop_filesystem_class(spark, "nosuchscheme") is None
+    version = compat.hadoop_version(spark)
+    assert version.count(".") >= 2 and version.split(".")[0].isdigit(), version
+
+
+def test_a_failing_user_function_is_translated_on_this_line(spark):
+    from spark_ops import UserFunctionError, full_window_partition
+    from spark_ops._errors import install_error_translation
+
+    install_error_translation()  # done on import; once more changes nothing
+
+    def fail(rows):
+        for _ in rows:
+            raise KeyError("the user's own")
+        yield from ()
+
+    with pytest.raises(UserFunctionError) as err:
+        full_window_partition(spark.range(3, numPartitions=1)).map_partition(
+            fail, "id long"
+        ).collect()
+    assert err.value.raised(KeyError) and "the user's own" in str(err.value)
+
+
+# -- every function of the compatibility module runs somewhere ---------------------------
+
+#: functions that run only where some condition holds, and what it is; every other one
+#: must run in every environment that runs the compatibility set (pytest -m spark_lines)
+ONLY_WHERE = {
+    # a Spark Connect client: test_connect.py's server, on the lines Connect clients run on
+    "connect_endpoint": "connect",
+    "connect_task_slots": "connect",
+    # a start that failed: the class archive's tests (test_class_archive.py)
+    "shut_down_jvm": "whole suite",
+}
+
+
+def _conditions() -> set[str]:
+    held = set()
+    if compat.dataframe_barrier_paths(None):  # Connect clients run from here on
+        held.add("connect")
+    if COMPAT_RUN.get("whole_suite"):
+        held.add("whole suite")
+    return held
+
+
+#: filled by conftest.py's collection hook: whether every test of the compatibility set
+#: (and whether the whole suite) is selected in this run
+COMPAT_RUN: dict[str, bool] = {}
+
+
+def test_every_function_of_the_compatibility_module_runs_in_this_environment():
+    # conftest.py runs this test last; it checks only when the whole set ran
+    if not COMPAT_RUN.get("complete"):
+        pytest.skip("checks only a run of the whole compatibility set (pytest -m spark_lines)")
+    import compat_trace
+
+    assert set(ONLY_WHERE) <= compat_trace.defined(), "ONLY_WHERE names a function gone"
+    held = _conditions()
+    due = {f for f in compat_trace.defined() if ONLY_WHERE.get(f, None) in (None, *held)}
+    ran = compat_trace.seen(os.environ.get(compat_trace.TRACE_ENV))
+    missing = sorted(due - ran)
+    assert not missing, (
+        f"PySpark {compat.spark_version_string()}: these functions of "
+        f"spark_ops/_spark_compat.py ran in no test of this environment: {missing}; give "
+        f"each a test in the compatibility set (pytest -m spark_lines)"
+    )

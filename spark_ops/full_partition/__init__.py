@@ -174,15 +174,17 @@ def _output_schema(schema: Any, what: str) -> tuple[StructType, bool]:
 
 
 def _arrow(schema: StructType, what: str) -> pa.Schema:
+    from pyspark.errors import PySparkTypeError
+
     from .._spark_compat import to_arrow_schema
 
     try:
         return to_arrow_schema(schema)
-    except Exception as ex:
+    except PySparkTypeError as ex:  # PySpark's refusal of a type, nothing else
         raise SparkOpsConfigError(
             f"{what}: the schema {schema.simpleString()} has a type Spark cannot exchange "
             f"with Python through Arrow: {ex}"
-        ) from None
+        ) from ex
 
 
 def _orderable(t: DataType) -> bool:

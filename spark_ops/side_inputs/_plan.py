@@ -261,6 +261,8 @@ def check_main(
 
 def make_plan(main: DataFrame, spec: MainSpec, op: str, fn: Any, schema: Any) -> tuple[OpPlan, Any]:
     """The task plan and the Spark output schema of ``op`` (checked, no job)."""
+    from pyspark.errors import PySparkTypeError
+
     from .._spark_compat import to_arrow_schema
 
     check_fn(fn, op)
@@ -270,7 +272,7 @@ def make_plan(main: DataFrame, spec: MainSpec, op: str, fn: Any, schema: Any) ->
         struct = parse_schema(schema, op)
         try:
             arrow = to_arrow_schema(struct)
-        except Exception as ex:
+        except PySparkTypeError as ex:  # PySpark's refusal of a type, nothing else
             raise SideInputConfigError(
                 f"{op}(): schema {struct.simpleString()} has a type Arrow cannot carry: {ex}"
             ) from ex
