@@ -407,6 +407,22 @@ def test_side_inputs_carry_every_type_to_the_main_records(spark, rich):
     assert {tuple(_plain(v) for v in r) for r in out.collect()} == want
 
 
+def test_a_numeric_column_check_names_the_real_cause_on_this_line(spark):
+    df = spark.sql("SELECT CAST(1 AS DOUBLE) AS y, 'a' AS s")
+    hi.DataStream(df, numeric_columns=["y"]).validate(0)  # a double is numeric everywhere
+    with pytest.raises(hi.IterationConfigError, match="'s' has type string, which is not numeric"):
+        hi.DataStream(df, numeric_columns=["s"]).validate(0)
+    intervals = spark.sql("SELECT make_interval(0, 1) AS i")
+    try:
+        _ = intervals.schema
+    except Exception:  # PySpark 3.5 has no Python form of a calendar interval at all
+        return
+    with pytest.raises(hi.IterationConfigError) as err:
+        hi.DataStream(intervals, numeric_columns=["i"]).validate(0)
+    assert "cannot hand to Python through Arrow" in str(err.value)
+    assert isinstance(err.value.__cause__, TypeError)  # PySpark's own refusal, kept
+
+
 # -- the JVM's internals as this line lays them out ----------------------------------------
 
 
