@@ -30,6 +30,7 @@ __all__ = [
     "NonFiniteGradient",
     "NonFiniteVariables",
     "RemoteFailure",
+    "SavedModelError",
     "StaleShardCall",
     "StateMachineError",
     "UnpicklableOperator",
@@ -101,6 +102,13 @@ class MissingCheckpoint(CheckpointError, RuntimeError):
 
 class CheckpointCorrupt(CheckpointError, ValueError):
     """A checkpoint or output file failed authentication or could not be read."""
+
+
+class SavedModelError(HybridIterError, ValueError):
+    """A saved model (``ps`` or ``ml``) that cannot be served as it was saved: a file its
+    manifest lists is missing, truncated, altered, from another save or unparseable, a
+    row count or a shape differs, a value is NaN or infinite; or a model holding such a
+    value was asked to be saved. The message names the file, what differs and the fix."""
 
 
 class VariablesMismatchError(HybridIterError, ValueError):

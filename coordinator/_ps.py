@@ -351,12 +351,13 @@ class _ShardCore:
         for tab, part in zip(self.tables, snap["tables"]):
             tab.restore(part)
 
-    def save_table(self, uri: str, table: str) -> dict[str, Any]:
-        """Write this shard's rows of ``table`` (sorted by key) as its part file."""
+    def save_table(self, uri: str, table: str, save_id: str) -> dict[str, Any]:
+        """Write this shard's rows of ``table`` (sorted by key) as its part file of save
+        ``save_id``; returns the part's manifest entry (file, rows, size, digest)."""
         tab = self._table(table)
         keys, values = tab.items()
-        path = write_part(uri, table, self.spec.shard_id, keys, values)
-        return {"shard": self.spec.shard_id, "path": path, "rows": len(keys)}
+        entry = write_part(uri, table, self.spec.shard_id, keys, values, save_id)
+        return {"shard": self.spec.shard_id, **entry}
 
     def load_rows(self, table: str, keys: np.ndarray, values: np.ndarray) -> int:
         """Add rows (a loaded model): keys that hash here, not held yet."""
@@ -372,11 +373,15 @@ class _ShardCore:
         tab.touches[rows] = 0
         return len(tab)
 
-    def load_parts(self, uri: str, table: str, paths: list[str], dim: int) -> int:
-        """Load the rows of saved part files that hash to this shard; returns the rows held."""
+    def load_parts(
+        self, uri: str, table: str, parts: list[dict[str, Any]], dim: int, save_id: str | None
+    ) -> int:
+        """Load the rows of saved part files (their manifest entries) that hash to this
+        shard, each checked first against save ``save_id`` (None: not verified; see
+        ``read_part``); returns the rows held."""
         tab = self._table(table)
-        for path in paths:
-            keys, values = read_part(uri, path, dim)
+        for part in parts:
+            keys, values = read_part(uri, part, dim, save_id)
             mine = shard_of(keys, self.spec.num_shards) == self.spec.shard_id
             if mine.any():
                 self.load_rows(table, keys[mine], values[mine])

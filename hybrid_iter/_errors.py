@@ -52,6 +52,10 @@ import them (``hybrid_iter``, ``hybrid_iter.ps``, ``hybrid_iter.cli``,
     │                                        already (``overwrite=True`` replaces it)
     ├── ModelNotFoundError                   ``Model.load(path)`` of a path holding no
     │   (FileNotFoundError)                  saved model
+    ├── SavedModelError (ValueError)         a saved model (``ps.load``, ``ml`` load) whose
+    │                                        files are missing, truncated, altered, of
+    │                                        another save, unparseable or not finite;
+    │                                        names the file and the fix; nothing served
     ├── ValueEncodeError (TypeError)         a value that must leave its process does
     │                                        not pickle: an output on its way to the
     │                                        driver; names it; not retried
@@ -95,6 +99,8 @@ import them (``hybrid_iter``, ``hybrid_iter.ps``, ``hybrid_iter.cli``,
     └── SideInputError
 
     ConvergenceWarning (UserWarning)         a fit stopped at ``max_iter`` before ``tol``
+    UnverifiedModelWarning (UserWarning)     a saved model loaded without its digests
+                                             checked (an older save, ``verify=False``)
 
     Signals that never reach a user (private to their tier): ``_Aborted`` (a subtask
     stops because another participant failed first), ``coordinator`` ``UserCodeFailed``
@@ -124,6 +130,7 @@ from coordinator._errors import (
     HybridIterError,
     IterationConfigError,
     RemoteFailure,
+    SavedModelError,
     UsageError,
     ValueEncodeError,
     VariablesMismatchError,
@@ -149,12 +156,14 @@ __all__ = [
     "OnlineCheckpointError",
     "RemoteFailure",
     "RunStateError",
+    "SavedModelError",
     "SessionError",
     "ShardLost",
     "ShardsUnavailable",
     "SparkOpsError",
     "StoredArraysLost",
     "TrainFailedError",
+    "UnverifiedModelWarning",
     "UsageError",
     "UserFunctionError",
     "ValueEncodeError",
@@ -314,6 +323,12 @@ class InjectedFault(HybridIterError, RuntimeError):
 
 class ConvergenceWarning(UserWarning):
     """A fit stopped at ``max_iter`` before meeting ``tol`` (a warning, not an error)."""
+
+
+class UnverifiedModelWarning(UserWarning):
+    """A saved model was loaded without checking its files against the digests of its
+    save: it was written by an earlier hybrid_iter that recorded none, or
+    ``ps.load(..., verify=False)`` was asked for. Save it again to get a verifiable copy."""
 
 
 class _Aborted(Exception):

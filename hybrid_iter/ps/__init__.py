@@ -53,10 +53,11 @@ the fault).
 
 from coordinator._errors import NonFiniteGradient
 
-from .._errors import TrainFailedError
+from .._errors import SavedModelError, TrainFailedError, UnverifiedModelWarning
 from ._csr import CSR, Rows
 from ._layout import Sparse
-from ._model import Model, TableRef, load
+from ._load import load
+from ._model import Model, TableRef
 from ._optim import FTRL, SGD, Adagrad, Adam, Optimizer
 from ._tables import Constant, Initializer, Normal, Table, Uniform, Zeros
 from ._train import TrainResult, train
@@ -74,12 +75,14 @@ __all__ = [
     "Normal",
     "Optimizer",
     "Rows",
+    "SavedModelError",
     "Sparse",
     "Table",
     "TableRef",
     "TrainFailedError",
     "TrainResult",
     "Uniform",
+    "UnverifiedModelWarning",
     "Zeros",
     "load",
     "train",

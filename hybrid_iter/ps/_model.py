@@ -20,14 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from coordinator._table_io import (
-    list_parts,
-    read_dense,
-    read_meta,
-    write_dense,
-    write_meta,
-)
-from coordinator._tables import Init, TableSpec
+from coordinator._manifest import new_save_id
+from coordinator._table_io import MODEL_FILE, write_dense, write_meta
+from coordinator._tables import Init
 
 from .._errors import IterationConfigError, UsageError
 from .._runtime.endpoint import refuse_on_connect
@@ -36,10 +31,12 @@ from ._csr import CSR
 from ._layout import Layout
 from ._worker import batch_params, with_locals
 
-__all__ = ["Model", "TableRef", "load"]
+__all__ = ["Model", "TableRef"]
 
 #: rows per chunk of ``to_dataframe`` (one call to a shard each)
 _EXPORT_CHUNK = 1 << 16
+#: the saved-model format: 2 records every file's rows, size and digest (1 did not)
+FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -225,32 +222,52 @@ class Model:
     def save(self, uri: str) -> str:
         """Write the model to ``uri`` (a local path or ``pyarrow.fs`` URI every shard can
         reach): each shard writes its rows of every table as Parquet (key, values), in
-        parallel; the dense parameters and ``model.json`` from the driver, last."""
+        parallel; the dense parameters and ``model.json`` from the driver, last. The
+        manifest ``model.json`` records every file's rows, size and SHA-256 and the
+        save's id, which ``ps.load`` checks before it serves anything."""
+        from pyarrow.fs import FileType
+
         from coordinator._table_io import filesystem
 
         fs, base = filesystem(uri)
         fs.create_dir(base, recursive=True)
+        manifest = f"{base}/{MODEL_FILE}"
+        if fs.get_file_info(manifest).type != FileType.NotFound:
+            # a save cut short leaves no manifest (an unfinished save), never a mixed one
+            fs.delete_file(manifest)
+        save_id = new_save_id()
+        parts: dict[str, list[dict[str, Any]]] = {t.name: [] for t in self.tables}
         if self.handles:
             self._check_open()
             client = self._client()
-            client._get(
-                [h.save_table.remote(uri, t.name) for h in self.handles for t in self.tables]
-            )
-        write_dense(uri, _dense_dict(self.layout, self.dense))
-        write_meta(uri, self._describe())
+            calls = [
+                h.save_table.remote(uri, t.name, save_id) for t in self.tables for h in self.handles
+            ]
+            for i, entry in enumerate(client._get(calls)):
+                parts[self.tables[i // len(self.handles)].name].append(entry)
+        dense = write_dense(uri, _dense_dict(self.layout, self.dense), save_id)
+        write_meta(uri, self._describe(save_id, parts, dense))
         return uri
 
-    def _describe(self) -> dict[str, Any]:
+    def _describe(
+        self, save_id: str, parts: Mapping[str, list[dict[str, Any]]], dense: dict[str, Any]
+    ) -> dict[str, Any]:
         lay = self.layout
         return {
-            "format": 1,
+            "format": FORMAT,
+            "save_id": save_id,
             "num_shards": len(self.handles),
+            "dense_file": dense,
             "tables": [
                 {
                     "name": t.name,
                     "dim": t.dim,
                     "init": t.init.to_plain(),
                     "columns": list(t.columns),
+                    "parts": [
+                        {k: v for k, v in p.items() if k != "shard"}
+                        for p in sorted(parts[t.name], key=lambda p: int(p["shard"]))
+                    ],
                 }
                 for t in self.tables
             ],
@@ -472,66 +489,3 @@ class _Scorer:
             data = {**dense_cols, **with_locals(self.plan, sparse, keys)}
             scores = check_scores(self.predict_fn(params, data), n, False)
             yield batch.append_column(self.output_col, pa.array(scores, pa.float64()))
-
-
-def load(uri: str, *, num_shards: int | None = None, predict_fn: Any = None) -> Model:
-    """A model saved by ``TrainResult.save`` / ``Model.save``: its tables loaded into new
-    shard actors (each reads its own rows, in parallel), its dense parameters on the
-    driver. Ray must be running (inside a ``hybrid_iter.Session``)."""
-    meta = read_meta(uri)
-    if meta.get("format") != 1:
-        raise IterationConfigError(f"{uri!r}: unknown model format {meta.get('format')!r}")
-    dense_meta = meta.get("dense")
-    layout = None
-    dense = np.zeros(0)
-    if dense_meta is not None:
-        arrays = read_dense(uri)
-        names = dense_meta["names"]
-        init: Any = arrays[""] if names is None else {n: arrays[n] for n in names}
-        layout, dense = Layout.of(init)
-    tables = [
-        _TableMeta(t["name"], int(t["dim"]), Init.from_plain(t["init"]), tuple(t["columns"]))
-        for t in meta["tables"]
-    ]
-    names_: list[str] = []
-    handles: list[Any] = []
-    token = None
-    address = None
-    if tables:
-        from ._train import launch_table_shards
-
-        address, names_, handles, token = launch_table_shards(
-            [TableSpec(t.name, t.dim, t.init, "sgd", {"learning_rate": 1.0}) for t in tables],
-            num_shards or int(meta["num_shards"]) or 1,
-        )
-        saved = int(meta["num_shards"])
-        try:
-            import ray
-
-            calls = []
-            for t in tables:
-                parts = list_parts(uri, t.name)
-                for j, h in enumerate(handles):
-                    mine = (
-                        [p for p in parts if p.endswith(f"part-{j:05d}.parquet")]
-                        if saved == len(handles)
-                        else parts
-                    )
-                    calls.append(h.load_parts.remote(uri, t.name, mine, t.dim))
-            ray.get(calls)
-        except BaseException:
-            _Owner(handles).close()
-            raise
-    return Model(
-        layout=layout,
-        dense=dense,
-        tables=tables,
-        shard_names=names_,
-        handles=handles,
-        token=token,
-        predict_fn=predict_fn,
-        columns=meta.get("columns", []),
-        vector_widths=meta.get("vector_widths", {}),
-        csr_columns=meta.get("csr_columns", []),
-        ray_address=address,
-    )

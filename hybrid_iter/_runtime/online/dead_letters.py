@@ -42,7 +42,7 @@ def write_dead_letters(path: str, batch_id: int, pid: int, batches: list[pa.Reco
     final = f"{directory}/part-{pid:05d}.parquet"
     tmp = f"{directory}/.part-{pid:05d}.tmp-{uuid.uuid4().hex}"
     with fs.open_output_stream(tmp) as f:
-        pq.write_table(pa.Table.from_batches(batches), f)
+        pq.write_table(pa.Table.from_batches(batches), f, write_page_checksum=True)
     fs.move(tmp, final)
 
 
