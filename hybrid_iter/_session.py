@@ -14,12 +14,13 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 from spark_ops import _class_archive, _spark_compat
 
-from ._errors import SessionError
+from ._errors import ClassArchiveWarning, SessionError
 from ._runtime.placement import check_resources
 from ._runtime.ray_util import NAMESPACE, force_loopback, is_loopback_address
 
@@ -382,13 +383,19 @@ class _SparkStart:
             **dict(spark_conf or {}),
         }
         self.launched_jvm = not _spark_compat.jvm_launched()
-        #: the key of the JVM class archive a background process of the session's warm-up
-        #: makes for the next starts (``spark_ops._class_archive``): none was found
-        self.archive_key: str | None = None
+        #: the user's own ``spark.driver.extraJavaOptions`` (a start without the archive)
+        self._own_options = self.conf.get("spark.driver.extraJavaOptions")
+        #: the JVM class archive to map, and the key of the one a background process of
+        #: the session's warm-up makes for the next starts (``spark_ops._class_archive``)
+        self._archive = _class_archive.Choice()
         if self.launched_jvm:
-            options, self.archive_key = _class_archive.java_options(self.conf)
-            if options is not None:
-                self.conf["spark.driver.extraJavaOptions"] = options
+            self._archive = _class_archive.java_options(self.conf)
+            if self._archive.options is not None:
+                self.conf["spark.driver.extraJavaOptions"] = self._archive.options
+        #: none was found, or the one found crashed the JVM (then set by the start)
+        self.archive_key = self._archive.key
+        #: what the caller is warned of (``ClassArchiveWarning``)
+        self.notes = list(self._archive.notes)
         #: what becomes of Ray if Spark fails (said in the error)
         self.ray_fate = "was stopped"
         self._spark: Any = None
@@ -402,15 +409,40 @@ class _SparkStart:
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._spark = self._get_or_create()
+        except BaseException as ex:  # handed to the caller's thread
+            self._error = ex
+
+    def _get_or_create(self) -> Any:
         from pyspark.sql import SparkSession
 
-        try:
+        def build() -> Any:
             builder = SparkSession.builder
             for k, v in self.conf.items():
                 builder = builder.config(k, v)
-            self._spark = builder.getOrCreate()
-        except BaseException as ex:  # handed to the caller's thread
-            self._error = ex
+            return builder.getOrCreate()
+
+        archive = self._archive.archive
+        if archive is None:
+            return build()
+        since = time.time()
+        try:
+            return build()
+        except Exception as ex:
+            if not _class_archive.gateway_exited(ex):
+                raise
+            # the JVM launched with the archive died before its gateway port (the file
+            # changed after its check, a JVM bug): once more without it, and the archive
+            # goes if that JVM starts
+            if self._own_options is None:
+                del self.conf["spark.driver.extraJavaOptions"]
+            else:
+                self.conf["spark.driver.extraJavaOptions"] = self._own_options
+            spark = build()
+            self.notes.append(_class_archive.crashed(archive, since))
+            self.archive_key = _class_archive.archive_key(self.conf)
+            return spark
 
     def wait(self) -> None:
         """Until the start has ended, well or not."""
@@ -422,6 +454,8 @@ class _SparkStart:
         the active session per thread); ``SessionError`` naming Spark if it failed."""
         assert self._thread is not None
         self._thread.join()
+        for note in self.notes:
+            warnings.warn(note, ClassArchiveWarning, stacklevel=3)  # Session.local's caller
         if self._error is not None:
             raise SessionError(
                 f"Session.local: Spark local[{self.parallelism}] did not start: "

@@ -20,7 +20,12 @@ ROOT = TESTS.parent
 
 
 def run_job(
-    module: str, case: str, *, timeout: float, extra_env: dict[str, str] | None = None
+    module: str,
+    case: str,
+    *,
+    timeout: float,
+    extra_env: dict[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> Any:
     env = {
         **os.environ,
@@ -33,7 +38,7 @@ def run_job(
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
         [sys.executable, "-c", f"import sys, {module} as j; sys.exit(j.main({case!r}))"],
-        cwd=str(TESTS),
+        cwd=str(cwd or TESTS),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
