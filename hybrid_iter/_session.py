@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 from spark_ops import _class_archive, _spark_compat
 
 from ._errors import ClassArchiveWarning, SessionError
+from ._runtime.leftovers import end_ray_processes_of_a_failed_start, end_spark_jvm_launch
 from ._runtime.placement import check_resources
 from ._runtime.ray_util import NAMESPACE, force_loopback, is_loopback_address
 
@@ -282,72 +283,10 @@ def _short(ex: BaseException) -> str:
     return " ".join(ln for ln in lines if ln and not ln.startswith("at "))[:1000]
 
 
-def _end_ray_processes_left_by_a_failed_start() -> None:
-    """``ray.init`` that fails midway (e.g. after starting the GCS) keeps no handle to
-    what it started, so ``ray.shutdown`` cannot end it: end this process's descendants
-    that run Ray's own programs (found by the Ray package's path in their command line;
-    Spark's JVM, started beside it, does not match), SIGTERM then SIGKILL."""
-    import signal
-
-    import ray
-
-    ray_dir = os.path.dirname(os.path.abspath(ray.__file__))
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            parent[int(entry)] = int(stat[stat.rindex(")") + 2 :].split()[1])
-    mine = {os.getpid()}
-    grew = True
-    while grew:
-        grew = False
-        for pid, ppid in parent.items():
-            if ppid in mine and pid not in mine:
-                mine.add(pid)
-                grew = True
-    mine.discard(os.getpid())
-    doomed = []
-    for pid in mine:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if ray_dir in cmdline:
-            doomed.append(pid)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in doomed:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + 5
-        while doomed and time.monotonic() < deadline:
-            doomed = [p for p in doomed if _alive(p)]
-            if doomed:
-                time.sleep(0.05)  # polling the processes' exit, bounded
-        if not doomed:
-            return
-
-
 def _raylet_wait_ran_out(ex: BaseException) -> bool:
     """``ray.init`` gave up waiting for its own node to register (a fixed 30 s in
     ``ray._private.node``), not refused a setting."""
     return "timed out during startup" in str(ex)
-
-
-def _alive(pid: int) -> bool:
-    """``pid`` is running (a zombie is reaped here if it is our child)."""
-    with contextlib.suppress(ChildProcessError, OSError):
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _prepare_process_env() -> None:
@@ -401,6 +340,11 @@ class _SparkStart:
         self._spark: Any = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        #: set when the start has ended, well or not. Waited for instead of joining the
+        #: thread: CPython 3.11's ``Thread.join`` interrupted by a KeyboardInterrupt
+        #: marks the thread ended while it runs on, so a later join returns at once and
+        #: the interpreter exits under the running start (spark-submit left behind).
+        self._done = threading.Event()
 
     def begin(self) -> None:
         self._thread = threading.Thread(
@@ -413,6 +357,8 @@ class _SparkStart:
             self._spark = self._get_or_create()
         except BaseException as ex:  # handed to the caller's thread
             self._error = ex
+        finally:
+            self._done.set()
 
     def _get_or_create(self) -> Any:
         from pyspark.sql import SparkSession
@@ -447,13 +393,13 @@ class _SparkStart:
     def wait(self) -> None:
         """Until the start has ended, well or not."""
         if self._thread is not None:
-            self._thread.join()
+            self._done.wait()
 
     def result(self) -> Any:
         """The SparkSession, made the active one of the calling thread (the JVM keeps
         the active session per thread); ``SessionError`` naming Spark if it failed."""
         assert self._thread is not None
-        self._thread.join()
+        self._done.wait()
         for note in self.notes:
             warnings.warn(note, ClassArchiveWarning, stacklevel=3)  # Session.local's caller
         if self._error is not None:
@@ -469,9 +415,11 @@ class _SparkStart:
     def abandon(self) -> None:
         """Wait for the start to end, then stop what it started (its JVM too, if this
         start launched it): a session that failed leaves no Spark behind."""
-        if self._thread is None:
+        if self._thread is None or self._thread.ident is None:  # never started
             return
-        self._thread.join()
+        if self.launched_jvm and not self._done.is_set():
+            end_spark_jvm_launch()  # the start then ends now, not after the JVM's start
+        self._done.wait()
         if self.launched_jvm:
             _spark_compat.shut_down_jvm()
         elif self._spark is not None:
@@ -812,10 +760,10 @@ class Session:
         spark_start = _SparkStart(parallelism, app_name, driver_memory, cores, spark_conf)
         if not owns_ray:
             spark_start.ray_fate = "is left running"
-        if owns_spark:
-            spark_start.begin()
         env_before = dict(os.environ)
         try:
+            if owns_spark:
+                spark_start.begin()
             if owns_ray:
 
                 def start_ray() -> None:
@@ -834,8 +782,7 @@ class Session:
                     try:
                         start_ray()
                     except Exception as ex:
-                        ray.shutdown()
-                        _end_ray_processes_left_by_a_failed_start()
+                        end_ray_processes_of_a_failed_start(ray.shutdown)
                         if not (owns_spark and _raylet_wait_ran_out(ex)):
                             raise
                         # Ray waits a fixed 30 s for its raylet to register; on a loaded
@@ -847,8 +794,7 @@ class Session:
                         )
                         start_ray()
                 except Exception as ex:
-                    ray.shutdown()
-                    _end_ray_processes_left_by_a_failed_start()
+                    end_ray_processes_of_a_failed_start(ray.shutdown)
                     beside = "was stopped" if owns_spark else "is left running"
                     raise SessionError(
                         f"Session.local: Ray did not start on 127.0.0.1: {_short(ex)} "
@@ -874,8 +820,8 @@ class Session:
         except BaseException:
             if owns_spark:
                 spark_start.abandon()
-            if owns_ray:
-                ray.shutdown()  # also ends the processes of a start that failed midway
+            if owns_ray:  # e.g. interrupted midway: its processes too
+                end_ray_processes_of_a_failed_start(ray.shutdown)
             raise
         session = cls(spark, address, owns_spark=owns_spark, owns_ray=owns_ray, kind="local")
         if owns_spark and spark_start.archive_key is not None:
