@@ -465,10 +465,13 @@ class Creator:
 
 
 def _sweep(directory: Path) -> None:
-    """Keep the ``_KEEP`` last used archives and the newest damaged one; drop stamps
-    without their archive and temporary files whose writer is gone."""
-    doomed = sorted(directory.glob("*-*.jsa"), key=_last_used, reverse=True)[_KEEP:]
+    """Keep the ``_KEEP`` last used archives and the newest damaged one; drop files
+    named as no archive is (an earlier naming), stamps without their archive and
+    temporary files whose writer is gone."""
+    named = [p for p in directory.glob("*-*.jsa") if _NAME.match(p.name)]
+    doomed = sorted(named, key=_last_used, reverse=True)[_KEEP:]
     doomed += [_stamp(p) for p in doomed]
+    doomed += [p for p in directory.glob("*-*.jsa") if not _NAME.match(p.name)]
     damaged = directory.glob(f"*.jsa{_DAMAGED}*")
     doomed += sorted(damaged, key=lambda p: p.stat().st_mtime, reverse=True)[1:]
     doomed += [p for p in directory.glob("*.jsa.checked") if not p.with_suffix("").exists()]

@@ -13,6 +13,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,26 @@ def test_an_archive_renamed_to_the_size_it_was_cut_to_is_set_aside(tmp_path):
     notes: list[str] = []
     assert ca.usable_archive(d, "a1", notes) is None
     assert not short.exists() and "SHA-256" in notes[0] and str(short) in notes[0]
+
+
+def test_the_sweep_keeps_the_last_used_archives_and_the_newest_damaged_one(tmp_path):
+    d = tmp_path / "jvm"
+    archives = [_archive(d, "a1", MAGIC + bytes([i]) * 60) for i in range(3)]
+    for age, path in zip((300, 100, 200), archives):  # the first used longest ago
+        os.utime(path, (time.time() - age, time.time() - age))
+    ca._stamp(archives[0]).write_text("")  # used just now: its stamp's time says so
+    damaged = [d / f"a1-9-{'0' * 64}.jsa.damaged-{t}" for t in (1, 2)]
+    for age, path in zip((50, 10), damaged):
+        path.write_bytes(b"x")
+        os.utime(path, (time.time() - age, time.time() - age))
+    earlier = d / "a1-64.jsa"  # the naming before the digest: never used again
+    earlier.write_bytes(MAGIC)
+    orphan = d / f"a1-1-{'1' * 64}.jsa.checked"
+    orphan.write_text("")
+    ca._sweep(d)
+    assert sorted(p.name for p in d.iterdir()) == sorted(
+        [archives[0].name, ca._stamp(archives[0]).name, archives[1].name, damaged[1].name]
+    )
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
