@@ -128,7 +128,7 @@ def test_someone_elses_archive_is_not_used(tmp_path):
     assert ca.usable_archive(d, "a1") is None
 
 
-@pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o757], ids=["0777", "0775", "0757"])
 def test_no_archive_is_used_or_made_under_a_folder_others_can_write(tmp_path, monkeypatch, mode):
     open_folder = tmp_path / "shared"
     root = open_folder / "me" / "cache"
