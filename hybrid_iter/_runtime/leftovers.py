@@ -14,10 +14,12 @@ from collections.abc import Callable
 __all__ = ["end_ray_processes_of_a_failed_start", "end_spark_jvm_launch"]
 
 
-def _processes() -> tuple[dict[int, int], dict[int, int]]:
-    """Every live process (no zombies): its parent, and its process group."""
+def _processes() -> tuple[dict[int, int], dict[int, int], set[int]]:
+    """Every process: its parent and its process group; and which are zombies (a child
+    that died, until reaped, is still one's child)."""
     parent: dict[int, int] = {}
     group: dict[int, int] = {}
+    zombies: set[int] = set()
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if entry.isdigit():
             try:
@@ -26,9 +28,10 @@ def _processes() -> tuple[dict[int, int], dict[int, int]]:
             except OSError:
                 continue
             state, ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
-            if state != "Z":
-                parent[int(entry)], group[int(entry)] = int(ppid), int(pgrp)
-    return parent, group
+            parent[int(entry)], group[int(entry)] = int(ppid), int(pgrp)
+            if state == "Z":
+                zombies.add(int(entry))
+    return parent, group, zombies
 
 
 def _below(parent: dict[int, int], roots: set[int]) -> set[int]:
@@ -55,24 +58,31 @@ def _read(path: str) -> bytes:
 def _ray_processes_of_this_one(ray_dir: str) -> set[int]:
     """The live Ray processes this process started: its descendants that run Ray's own
     programs (the Ray package's path in their command line, or a ``ray::...`` title;
-    Spark's JVM, started beside them, matches neither), what those started, and such
-    processes of this process group that are no descendants (a raylet that died leaves
-    its agents to init)."""
-    parent, group = _processes()
+    Spark's JVM, started beside them, matches neither) and what those started. A raylet
+    that died leaves its agents to init, out of this tree: those of this process group
+    that name a raylet of this tree (``RAY_RAYLET_PID`` in their environment) count
+    too."""
+    parent, group, zombies = _processes()
 
     def runs_ray(pid: int) -> bool:
         cmdline = _read(f"/proc/{pid}/cmdline").replace(b"\0", b" ").decode(errors="replace")
         return ray_dir in cmdline or cmdline.startswith("ray::")
 
-    me, above = os.getpid(), set()
-    pid = me
-    while pid in parent and pid not in above:
-        above.add(pid)
-        pid = parent[pid]
-    mine = _below(parent, {me})
-    orphans = {p for p, g in group.items() if g == os.getpgrp() and p not in above | mine}
-    ray_programs = {p for p in mine | orphans if runs_ray(p)}
-    return ray_programs | _below(parent, ray_programs)
+    def raylet_of(pid: int) -> int | None:
+        for var in _read(f"/proc/{pid}/environ").split(b"\0"):
+            if var.startswith(b"RAY_RAYLET_PID="):
+                with contextlib.suppress(ValueError):
+                    return int(var[len(b"RAY_RAYLET_PID=") :])
+        return None
+
+    mine = _below(parent, {os.getpid()})  # the dead too: a raylet not reaped yet
+    found = {p for p in mine - zombies if runs_ray(p)}
+    found |= {
+        p
+        for p, g in group.items()
+        if g == os.getpgrp() and p not in mine | zombies and runs_ray(p) and raylet_of(p) in mine
+    }
+    return found | (_below(parent, found) - zombies)
 
 
 def end_spark_jvm_launch() -> None:
@@ -81,7 +91,7 @@ def end_spark_jvm_launch() -> None:
     then fails at once. The launch marks its child's environment with
     ``_PYSPARK_DRIVER_CONN_INFO_PATH`` (pyspark.java_gateway): only a JVM launched by
     this process has it (one per process)."""
-    parent, _ = _processes()
+    parent, _, zombies = _processes()
     me = os.getpid()
     launched = {
         pid
@@ -89,7 +99,7 @@ def end_spark_jvm_launch() -> None:
         if ppid == me
         and b"\0_PYSPARK_DRIVER_CONN_INFO_PATH=" in b"\0" + _read(f"/proc/{pid}/environ")
     }
-    for pid in launched | _below(parent, launched):
+    for pid in (launched | _below(parent, launched)) - zombies:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
