@@ -144,7 +144,7 @@ def _plot_path(text: str, where: str) -> str:
         raise CliError(
             f"{where}={text!r}: cannot write in directory {str(path.parent)!r} "
             f"({ex.strerror or ex}); choose a directory you can write"
-        ) from None
+        ) from ex
     if importlib.util.find_spec("matplotlib") is None:
         raise CliError(f"{where} needs matplotlib: pip install 'hybrid-iter[plot]'")
     return str(path)
