@@ -38,6 +38,7 @@ from ._config import CheckpointConfig, EndpointConfig, IterationConfig, Operator
 from ._errors import (
     CheckpointEncodeError,
     CheckpointError,
+    ClassArchiveWarning,
     ConfigTypeError,
     DataValidationError,
     EndpointAuthError,
@@ -82,6 +83,7 @@ __all__ = [
     "CheckpointConfig",
     "CheckpointEncodeError",
     "CheckpointError",
+    "ClassArchiveWarning",
     "ConfigTypeError",
     "CoordinatorCollector",
     "CoordinatorContext",

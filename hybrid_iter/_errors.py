@@ -101,6 +101,9 @@ import them (``hybrid_iter``, ``hybrid_iter.ps``, ``hybrid_iter.cli``,
     ConvergenceWarning (UserWarning)         a fit stopped at ``max_iter`` before ``tol``
     UnverifiedModelWarning (UserWarning)     a saved model loaded without its digests
                                              checked (an older save, ``verify=False``)
+    ClassArchiveWarning (UserWarning)        ``Session.local`` set a damaged JVM class
+                                             archive aside (and goes on without it), or
+                                             uses none in a folder others can change
 
     Signals that never reach a user (private to their tier): ``_Aborted`` (a subtask
     stops because another participant failed first), ``coordinator`` ``UserCodeFailed``
@@ -140,6 +143,7 @@ from spark_ops._errors import SparkOpsError, UserFunctionError
 __all__ = [
     "CheckpointEncodeError",
     "CheckpointError",
+    "ClassArchiveWarning",
     "CliError",
     "ConfigTypeError",
     "ConvergenceWarning",
@@ -319,6 +323,11 @@ class RunStateError(HybridIterError, RuntimeError):
 class InjectedFault(HybridIterError, RuntimeError):
     """Raised by ``FaultInjection(fail_partition=...)`` in a Spark task, for tests
     (re-exported by ``hybrid_iter.testing``, where tests import it)."""
+
+
+class ClassArchiveWarning(UserWarning):
+    """``Session.local`` set a damaged JVM class archive aside and started without it,
+    or found the archive's folder open to others (docs/sessions.md)."""
 
 
 class ConvergenceWarning(UserWarning):

@@ -14,12 +14,14 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 from spark_ops import _class_archive, _spark_compat
 
-from ._errors import SessionError
+from ._errors import ClassArchiveWarning, SessionError
+from ._runtime.leftovers import end_ray_processes_of_a_failed_start, end_spark_jvm_launch
 from ._runtime.placement import check_resources
 from ._runtime.ray_util import NAMESPACE, force_loopback, is_loopback_address
 
@@ -281,72 +283,10 @@ def _short(ex: BaseException) -> str:
     return " ".join(ln for ln in lines if ln and not ln.startswith("at "))[:1000]
 
 
-def _end_ray_processes_left_by_a_failed_start() -> None:
-    """``ray.init`` that fails midway (e.g. after starting the GCS) keeps no handle to
-    what it started, so ``ray.shutdown`` cannot end it: end this process's descendants
-    that run Ray's own programs (found by the Ray package's path in their command line;
-    Spark's JVM, started beside it, does not match), SIGTERM then SIGKILL."""
-    import signal
-
-    import ray
-
-    ray_dir = os.path.dirname(os.path.abspath(ray.__file__))
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            parent[int(entry)] = int(stat[stat.rindex(")") + 2 :].split()[1])
-    mine = {os.getpid()}
-    grew = True
-    while grew:
-        grew = False
-        for pid, ppid in parent.items():
-            if ppid in mine and pid not in mine:
-                mine.add(pid)
-                grew = True
-    mine.discard(os.getpid())
-    doomed = []
-    for pid in mine:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if ray_dir in cmdline:
-            doomed.append(pid)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in doomed:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + 5
-        while doomed and time.monotonic() < deadline:
-            doomed = [p for p in doomed if _alive(p)]
-            if doomed:
-                time.sleep(0.05)  # polling the processes' exit, bounded
-        if not doomed:
-            return
-
-
 def _raylet_wait_ran_out(ex: BaseException) -> bool:
     """``ray.init`` gave up waiting for its own node to register (a fixed 30 s in
     ``ray._private.node``), not refused a setting."""
     return "timed out during startup" in str(ex)
-
-
-def _alive(pid: int) -> bool:
-    """``pid`` is running (a zombie is reaped here if it is our child)."""
-    with contextlib.suppress(ChildProcessError, OSError):
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _prepare_process_env() -> None:
@@ -382,18 +322,29 @@ class _SparkStart:
             **dict(spark_conf or {}),
         }
         self.launched_jvm = not _spark_compat.jvm_launched()
-        #: the key of the JVM class archive a background process of the session's warm-up
-        #: makes for the next starts (``spark_ops._class_archive``): none was found
-        self.archive_key: str | None = None
+        #: the user's own ``spark.driver.extraJavaOptions`` (a start without the archive)
+        self._own_options = self.conf.get("spark.driver.extraJavaOptions")
+        #: the JVM class archive to map, and the key of the one a background process of
+        #: the session's warm-up makes for the next starts (``spark_ops._class_archive``)
+        self._archive = _class_archive.Choice()
         if self.launched_jvm:
-            options, self.archive_key = _class_archive.java_options(self.conf)
-            if options is not None:
-                self.conf["spark.driver.extraJavaOptions"] = options
+            self._archive = _class_archive.java_options(self.conf)
+            if self._archive.options is not None:
+                self.conf["spark.driver.extraJavaOptions"] = self._archive.options
+        #: none was found, or the one found crashed the JVM (then set by the start)
+        self.archive_key = self._archive.key
+        #: what the caller is warned of (``ClassArchiveWarning``)
+        self.notes = list(self._archive.notes)
         #: what becomes of Ray if Spark fails (said in the error)
         self.ray_fate = "was stopped"
         self._spark: Any = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        #: set when the start has ended, well or not. Waited for instead of joining the
+        #: thread: CPython 3.11's ``Thread.join`` interrupted by a KeyboardInterrupt
+        #: marks the thread ended while it runs on, so a later join returns at once and
+        #: the interpreter exits under the running start (spark-submit left behind).
+        self._done = threading.Event()
 
     def begin(self) -> None:
         self._thread = threading.Thread(
@@ -402,26 +353,55 @@ class _SparkStart:
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._spark = self._get_or_create()
+        except BaseException as ex:  # handed to the caller's thread
+            self._error = ex
+        finally:
+            self._done.set()
+
+    def _get_or_create(self) -> Any:
         from pyspark.sql import SparkSession
 
-        try:
+        def build() -> Any:
             builder = SparkSession.builder
             for k, v in self.conf.items():
                 builder = builder.config(k, v)
-            self._spark = builder.getOrCreate()
-        except BaseException as ex:  # handed to the caller's thread
-            self._error = ex
+            return builder.getOrCreate()
+
+        archive = self._archive.archive
+        if archive is None:
+            return build()
+        since = time.time()
+        try:
+            return build()
+        except Exception as ex:
+            if not _class_archive.gateway_exited(ex):
+                raise
+            # the JVM launched with the archive died before its gateway port (the file
+            # changed after its check, a JVM bug): once more without it, and the archive
+            # goes if that JVM starts
+            if self._own_options is None:
+                del self.conf["spark.driver.extraJavaOptions"]
+            else:
+                self.conf["spark.driver.extraJavaOptions"] = self._own_options
+            spark = build()
+            self.notes.append(_class_archive.crashed(archive, since))
+            self.archive_key = _class_archive.archive_key(self.conf)
+            return spark
 
     def wait(self) -> None:
         """Until the start has ended, well or not."""
         if self._thread is not None:
-            self._thread.join()
+            self._done.wait()
 
     def result(self) -> Any:
         """The SparkSession, made the active one of the calling thread (the JVM keeps
         the active session per thread); ``SessionError`` naming Spark if it failed."""
         assert self._thread is not None
-        self._thread.join()
+        self._done.wait()
+        for note in self.notes:
+            warnings.warn(note, ClassArchiveWarning, stacklevel=3)  # Session.local's caller
         if self._error is not None:
             raise SessionError(
                 f"Session.local: Spark local[{self.parallelism}] did not start: "
@@ -435,9 +415,11 @@ class _SparkStart:
     def abandon(self) -> None:
         """Wait for the start to end, then stop what it started (its JVM too, if this
         start launched it): a session that failed leaves no Spark behind."""
-        if self._thread is None:
+        if self._thread is None or self._thread.ident is None:  # never started
             return
-        self._thread.join()
+        if self.launched_jvm and not self._done.is_set():
+            end_spark_jvm_launch()  # the start then ends now, not after the JVM's start
+        self._done.wait()
         if self.launched_jvm:
             _spark_compat.shut_down_jvm()
         elif self._spark is not None:
@@ -778,10 +760,10 @@ class Session:
         spark_start = _SparkStart(parallelism, app_name, driver_memory, cores, spark_conf)
         if not owns_ray:
             spark_start.ray_fate = "is left running"
-        if owns_spark:
-            spark_start.begin()
         env_before = dict(os.environ)
         try:
+            if owns_spark:
+                spark_start.begin()
             if owns_ray:
 
                 def start_ray() -> None:
@@ -800,8 +782,7 @@ class Session:
                     try:
                         start_ray()
                     except Exception as ex:
-                        ray.shutdown()
-                        _end_ray_processes_left_by_a_failed_start()
+                        end_ray_processes_of_a_failed_start(ray.shutdown)
                         if not (owns_spark and _raylet_wait_ran_out(ex)):
                             raise
                         # Ray waits a fixed 30 s for its raylet to register; on a loaded
@@ -813,8 +794,7 @@ class Session:
                         )
                         start_ray()
                 except Exception as ex:
-                    ray.shutdown()
-                    _end_ray_processes_left_by_a_failed_start()
+                    end_ray_processes_of_a_failed_start(ray.shutdown)
                     beside = "was stopped" if owns_spark else "is left running"
                     raise SessionError(
                         f"Session.local: Ray did not start on 127.0.0.1: {_short(ex)} "
@@ -840,8 +820,8 @@ class Session:
         except BaseException:
             if owns_spark:
                 spark_start.abandon()
-            if owns_ray:
-                ray.shutdown()  # also ends the processes of a start that failed midway
+            if owns_ray:  # e.g. interrupted midway: its processes too
+                end_ray_processes_of_a_failed_start(ray.shutdown)
             raise
         session = cls(spark, address, owns_spark=owns_spark, owns_ray=owns_ray, kind="local")
         if owns_spark and spark_start.archive_key is not None:

@@ -20,7 +20,12 @@ ROOT = TESTS.parent
 
 
 def run_job(
-    module: str, case: str, *, timeout: float, extra_env: dict[str, str] | None = None
+    module: str,
+    case: str,
+    *,
+    timeout: float,
+    extra_env: dict[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> Any:
     env = {
         **os.environ,
@@ -39,7 +44,7 @@ def run_job(
             f"import sys, compat_trace; compat_trace.install(); import {module} as j; "
             f"sys.exit(j.main({case!r}))",
         ],
-        cwd=str(TESTS),
+        cwd=str(cwd or TESTS),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

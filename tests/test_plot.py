@@ -44,6 +44,16 @@ def train_two(session, rows: int = 400):
     }
 
 
+def train_two_then_block_the_plot(session, rows: int = 400, blocked: str = ""):
+    """A CLI entry function: ``train_two``, then a file where the plot's folder was
+    (checked when the run started, gone when the plot is written)."""
+    runs = train_two(session, rows)
+    folder = Path(blocked).parent
+    folder.rmdir()
+    folder.write_text("not a folder")
+    return runs
+
+
 @pytest.fixture(scope="module")
 def runs(session):
     return train_two(session)
@@ -100,11 +110,92 @@ def test_cli_run_plot_writes_the_returned_runs(session, capsys, tmp_path, monkey
     line = next(x for x in out.splitlines() if x.startswith(cli.RESULT_PREFIX))
     assert json.loads(line[len(cli.RESULT_PREFIX) :])["plot"] == str(path)
     assert _is_png(path)
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    assert cli.main(["run", "cli_targets:echo", "--plot", str(tmp_path / "no.png")], {}) == 1
-    assert "returned no IterationResult" in capsys.readouterr().err
     assert cli.main(["run", "test_plot:train_two", "--plot", "/no/such/dir/x.png"], {}) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def _result_line(out: str) -> dict:
+    (line,) = [x for x in out.splitlines() if x.startswith(cli.RESULT_PREFIX)]
+    return json.loads(line[len(cli.RESULT_PREFIX) :])
+
+
+def test_cli_prints_the_result_when_there_is_nothing_to_plot_and_exits_3(
+    session, capsys, tmp_path, monkeypatch
+):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    path = tmp_path / "no.png"
+    assert cli.main(["run", "cli_targets:echo", "--plot", str(path)], {}) == 3
+    out, err = capsys.readouterr()
+    got = _result_line(out)  # the function's dict is not lost
+    assert got["result"]["count"] == 5 and got["result"]["scalar"] == 0.5
+    assert "returned no IterationResult" in got["plot_error"] and "plot" not in got
+    assert err.rstrip().splitlines()[-1] == f"hybrid-iter: --plot: {got['plot_error']}"
+    assert not path.exists()
+
+
+def test_cli_prints_the_result_when_the_plot_cannot_be_written_and_exits_3(
+    session, capsys, tmp_path, monkeypatch
+):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    output = tmp_path / "result.json"
+    path = tmp_path / "plots" / "loss.png"
+    path.parent.mkdir()
+    argv = [
+        "run",
+        "test_plot:train_two_then_block_the_plot",
+        "--param",
+        "rows=300",
+        "--param",
+        f"blocked={path}",
+        "--plot",
+        str(path),
+        "--output",
+        str(output),
+    ]
+    assert cli.main(argv, {}) == 3
+    out, err = capsys.readouterr()
+    got = _result_line(out)
+    assert set(got["result"]) == {"sync", "async"}
+    assert f"could not write {path}" in got["plot_error"] and "Error" in got["plot_error"]
+    assert json.loads(output.read_text()) == got  # --output is written too
+    assert err.rstrip().splitlines()[-1] == f"hybrid-iter: --plot: {got['plot_error']}"
+
+
+@pytest.mark.parametrize(
+    "plot, message",
+    [
+        ("/proc/x.png", "cannot write in directory '/proc'"),
+        ("/no/such/dir/x.png", "directory '/no/such/dir' does not exist"),
+        ("{tmp}/loss.svg", "must name a .png file"),
+        ("{tmp}/folder.png", "is a directory"),
+    ],
+)
+def test_a_plot_path_that_cannot_be_written_exits_2_before_anything_runs(
+    plot, message, tmp_path, capsys, monkeypatch
+):
+    (tmp_path / "folder.png").mkdir()
+    plot = plot.format(tmp=tmp_path)
+
+    def refuse(options):
+        raise AssertionError(f"a session was opened for {options}")
+
+    monkeypatch.setattr(cli._runner, "_open_session", refuse)
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    for argv, env in (
+        (["run", "cli_targets:echo", "--plot", plot, "--dry-run"], {}),
+        (["run", "cli_targets:echo", "--dry-run"], {"HYBRID_ITER_PLOT": plot}),
+        (["run", "cli_targets:echo", "--plot", plot], {}),
+    ):
+        assert cli.main(argv, env) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hybrid-iter: error: ") and message in err, err
+
+
+def test_a_plot_without_matplotlib_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    argv = ["run", "cli_targets:echo", "--plot", str(tmp_path / "x.png"), "--dry-run"]
+    assert cli.main(argv, {}) == 2
+    assert "pip install 'hybrid-iter[plot]'" in capsys.readouterr().err
 
 
 def test_bench_command_runs_the_suite_of_the_checkout(capfd, monkeypatch, tmp_path):

@@ -43,13 +43,18 @@ pod being deleted). The current directory is importable, as with ``python -m``.
 
 ``--plot`` draws the loss per epoch and per second of what the function returned: an
 ``IterationResult``, a ``hybrid_iter.ml`` model, a ``ps.TrainResult``, or a dict or list of
-them (on the same axes, e.g. ``{"sync": ..., "async": ...}``).
+them (on the same axes, e.g. ``{"sync": ..., "async": ...}``). Its path is checked with
+the other options (a ``.png`` file in a directory this process can write, matplotlib
+installed). The result line is printed whatever the plot does: with ``"plot"`` (the
+file written), or with ``"plot_error"`` when there was nothing to draw or the file
+could not be written, said again on stderr, and exit status 3.
 
 ``bench`` runs ``python -m benchmarks`` of the source checkout in the current directory
 (the benchmarks are not installed with the package): every ``benchmarks/bench_*.py`` of
 the suite, then ``benchmarks/results/suite.json`` and ``suite.png``.
 
-Exit status: 0 done, 1 the session or the function failed, 2 bad arguments.
+Exit status: 0 done, 1 the session or the function failed, 2 bad arguments, 3 the result
+was printed but ``--plot`` was not written.
 """
 
 from __future__ import annotations

@@ -5,9 +5,11 @@ environment variable, else the default; every value checked before Spark or Ray 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import re
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +124,29 @@ def _output_path(text: str, where: str) -> str:
     path = Path(text).expanduser()
     if not path.parent.is_dir():
         raise CliError(f"{where}={text!r}: directory {str(path.parent)!r} does not exist")
+    return str(path)
+
+
+def _plot_path(text: str, where: str) -> str:
+    """A PNG file a run can write at its end (``IterationResult.plot`` writes PNG), with
+    matplotlib to draw it: checked before anything runs, not after the run."""
+    path = Path(text).expanduser()
+    if path.suffix.lower() != ".png":
+        raise CliError(f"{where}={text!r} must name a .png file (the plot is written as PNG)")
+    if not path.parent.is_dir():
+        raise CliError(f"{where}={text!r}: directory {str(path.parent)!r} does not exist")
+    if path.is_dir():
+        raise CliError(f"{where}={text!r} is a directory; name a .png file in it")
+    try:  # what the run will do there (access() says yes to root even in /proc)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as ex:
+        raise CliError(
+            f"{where}={text!r}: cannot write in directory {str(path.parent)!r} "
+            f"({ex.strerror or ex}); choose a directory you can write"
+        ) from ex
+    if importlib.util.find_spec("matplotlib") is None:
+        raise CliError(f"{where} needs matplotlib: pip install 'hybrid-iter[plot]'")
     return str(path)
 
 
@@ -248,7 +273,7 @@ _OPTIONS = (
     _Option(
         "plot",
         "--plot",
-        _output_path,
+        _plot_path,
         "write a PNG of the loss per epoch and per second of the returned run(s)",
         metavar="PATH",
     ),

@@ -23,6 +23,9 @@ from ._options import RESULT_PREFIX, RunOptions
 
 log = logging.getLogger("hybrid_iter.cli")
 
+#: the exit status of a run whose result was printed but whose --plot was not written
+PLOT_FAILED = 3
+
 
 def load_target(target: str) -> Callable[..., Any]:
     """Import ``MODULE:FUNCTION`` (``FUNCTION`` may be dotted: ``Class.method``)."""
@@ -133,6 +136,25 @@ def _plottable(value: Any) -> dict[str, Any]:
     return {k: r for k, r in pairs if r is not None}
 
 
+def _plot(options: RunOptions, value: Any, payload: dict[str, Any]) -> str | None:
+    """Draw what the function returned to ``options.plot`` (its path under ``"plot"`` of
+    ``payload``); why not, if it could not (also under ``"plot_error"``)."""
+    try:
+        runs = _plottable(value)
+        if runs:
+            (label, first), *rest = runs.items()
+            payload["plot"] = str(first.plot(options.plot, compare=dict(rest), label=label))
+            return None
+        why = (
+            f"{options.target} returned no IterationResult, model or ps.TrainResult to "
+            f"plot (got {type(value).__name__}); nothing was written to {options.plot}"
+        )
+    except Exception as ex:  # matplotlib's or the file system's: said after the result
+        why = f"could not write {options.plot}: {type(ex).__name__}: {ex}"
+    payload["plot_error"] = why
+    return why
+
+
 def _raise_on_sigterm(signum: int, frame: Any) -> None:
     # Unwinds through the session's ``with`` block, which stops Spark and Ray.
     raise SystemExit(128 + signum)
@@ -190,21 +212,18 @@ def _run(options: RunOptions, *, dry_run: bool) -> int:
             "seconds": round(time.perf_counter() - started, 3),
             "result": _jsonable(value),
         }
-        if options.plot is not None:
-            runs = _plottable(value)
-            if not runs:
-                print(
-                    f"hybrid-iter: --plot: {options.target} returned no IterationResult, "
-                    f"model or ps.TrainResult to plot (got {type(value).__name__})",
-                    file=sys.stderr,
-                )
-                return 1
-            (label, first), *rest = runs.items()
-            payload["plot"] = str(first.plot(options.plot, compare=dict(rest), label=label))
-        text = json.dumps(payload, sort_keys=True)
-        print(RESULT_PREFIX + text, flush=True)
-        if options.output is not None:
-            Path(options.output).write_text(text + "\n")
+        plot_failed: str | None = None
+        try:
+            if options.plot is not None:
+                plot_failed = _plot(options, value, payload)
+        finally:  # the result is printed whatever the plot did
+            text = json.dumps(payload, sort_keys=True)
+            print(RESULT_PREFIX + text, flush=True)
+            if options.output is not None:
+                Path(options.output).write_text(text + "\n")
+        if plot_failed is not None:
+            print(f"hybrid-iter: --plot: {plot_failed}", file=sys.stderr)
+            return PLOT_FAILED
         return 0
     finally:
         if in_main:

@@ -1,0 +1,52 @@
+"""``Session.local`` in a process of its own, with the JVM class archive cache of
+``$HYBRID_ITER_CACHE_DIR`` (``tests/test_class_archive.py`` damages or exposes it first)::
+
+    PYTHONPATH=tests:. python -c "import class_archive_job, sys; sys.exit(class_archive_job.main('local'))"
+
+Reports as one JSON line (prefixed with ``RESULT ``): the ``ClassArchiveWarning``\\ s the
+start gave, the files of the cache the driver JVM maps (from ``/proc/<pid>/maps``), its
+``-XX:SharedArchiveFile`` option, whether the session would make an archive in the
+background, and an answer of Spark (the session works).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+RESULT_PREFIX = "RESULT "
+
+
+def main(case: str) -> int:
+    import hybrid_iter as hi
+    from spark_ops._class_archive import archive_dir
+    from spark_ops._spark_compat import jvm_pid
+
+    assert case == "local", case
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with hi.Session.local(1, warm_up=False) as session:
+            count = session.spark.range(0, 100, 1, 2).count()
+            pid = jvm_pid(session.spark)
+            with open(f"/proc/{pid}/maps") as f:
+                mapped = {line.split(maxsplit=5)[-1].strip() for line in f}
+            with open(f"/proc/{pid}/cmdline") as f:
+                cmdline = f.read().split("\0")
+            remakes = session._class_archive is not None
+    cache = str(archive_dir())
+    report = {
+        "warnings": [
+            str(w.message) for w in caught if issubclass(w.category, hi.ClassArchiveWarning)
+        ],
+        "mapped": sorted(m for m in mapped if m.startswith(cache)),
+        "option": [a for a in cmdline if a.startswith("-XX:SharedArchiveFile=")],
+        "remakes": remakes,
+        "count": count,
+    }
+    print(RESULT_PREFIX + json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main(sys.argv[1]))
