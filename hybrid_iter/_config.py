@@ -126,9 +126,9 @@ class EndpointConfig:
     * ``connect_timeout``: seconds a subtask's first call may take before the endpoint
       counts as unreachable.
     * ``shared_memory``: the coordinator also writes each large variables version once
-      to a file in ``/dev/shm`` (mode 0600), which the subtasks on its host, of its
-      user, map read-only instead of streaming it (as Ray's object store does); False:
-      every subtask process streams it.
+      to a sealed memory file of its process (mode 0600, its size fixed for good), which
+      the subtasks on its host, of its user, map read-only instead of streaming it (as
+      Ray's object store does); False: every subtask process streams it.
     """
 
     bind: str | None = None
