@@ -18,6 +18,7 @@ from ._core import CoordinatorCore
 from ._errors import (
     CallTimeout,
     CheckpointCorrupt,
+    CheckpointDamaged,
     CheckpointEncodeError,
     CheckpointError,
     ConfigTypeError,
@@ -72,6 +73,7 @@ __all__ = [
     "BadFile",
     "CallTimeout",
     "CheckpointCorrupt",
+    "CheckpointDamaged",
     "CheckpointEncodeError",
     "CheckpointError",
     "CheckpointInfo",

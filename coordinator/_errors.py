@@ -14,6 +14,7 @@ from typing import Any
 __all__ = [
     "CallTimeout",
     "CheckpointCorrupt",
+    "CheckpointDamaged",
     "CheckpointEncodeError",
     "CheckpointError",
     "ConfigTypeError",
@@ -101,6 +102,12 @@ class MissingCheckpoint(CheckpointError, RuntimeError):
 
 class CheckpointCorrupt(CheckpointError, ValueError):
     """A checkpoint or output file failed authentication or could not be read."""
+
+
+class CheckpointDamaged(CheckpointCorrupt):
+    """A checkpoint or output file whose bytes changed after it was written (a flipped
+    or lost byte, a truncation): told apart from a file sealed with another key. The
+    message names the file, what is damaged and what to do."""
 
 
 class VariablesMismatchError(HybridIterError, ValueError):

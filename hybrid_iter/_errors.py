@@ -62,7 +62,10 @@ import them (``hybrid_iter``, ``hybrid_iter.ps``, ``hybrid_iter.cli``,
     │   │   │                                epoch, which operator's state); not retried
     │   │   └── UnpicklableOperator          an operator a checkpoint cannot pickle
     │   ├── CheckpointCorrupt (ValueError)   failed authentication, truncated, an older
-    │   │                                    container format
+    │   │   │                                container format, under another file's name
+    │   │   └── CheckpointDamaged            its bytes changed after it was written (a
+    │   │                                    damaged header or body, a truncation), told
+    │   │                                    apart from another key; says what to do
     │   ├── ForeignCheckpoint (ValueError)   of another run or another iteration
     │   ├── MissingCheckpoint (RuntimeError) a restore found less than was written
     │   └── OnlineCheckpointError            an online restart cannot restore every
