@@ -52,7 +52,7 @@ def header_intact(header: dict[str, Any]) -> bool | None:
     given = header.get(_SUM)
     if given is None:
         return None
-    return given == _digest({k: v for k, v in header.items() if k != _SUM})
+    return bool(given == _digest({k: v for k, v in header.items() if k != _SUM}))
 
 
 def damaged(path: str, what: str) -> CheckpointDamaged:
@@ -65,6 +65,20 @@ def damaged(path: str, what: str) -> CheckpointDamaged:
     )
 
 
+def _field_ok(name: str, v: Any) -> bool:
+    if name == "run_id":
+        return isinstance(v, str)
+    if name == "kind":
+        return isinstance(v, str) and v in _KINDS
+    if name == "epoch":
+        return type(v) is int
+    if name == "key_id":
+        return isinstance(v, str) and _KEY_ID.fullmatch(v) is not None
+    if name == "arrays":
+        return isinstance(v, list) and all(type(n) is int and n >= 0 for n in v)
+    return type(v) is int and v >= 0  # python
+
+
 def _field_problem(header: Any) -> str | None:
     """What in a parsed header is not what the writer writes, None when nothing is."""
     if not isinstance(header, dict):
@@ -72,18 +86,10 @@ def _field_problem(header: Any) -> str | None:
     extra = set(header) - {"run_id", "kind", "epoch", "key_id", "arrays", "python", _SUM}
     if extra:
         return f"unknown field(s) {sorted(extra)}"
-    checks = {
-        "run_id": lambda v: isinstance(v, str),
-        "kind": lambda v: v in _KINDS,
-        "epoch": lambda v: type(v) is int,
-        "key_id": lambda v: isinstance(v, str) and _KEY_ID.fullmatch(v) is not None,
-        "arrays": lambda v: isinstance(v, list) and all(type(n) is int and n >= 0 for n in v),
-        "python": lambda v: type(v) is int and v >= 0,
-    }
-    for name, ok in checks.items():
+    for name in ("run_id", "kind", "epoch", "key_id", "arrays", "python"):
         if name not in header:
             return f"no {name!r} field"
-        if not ok(header[name]):
+        if not _field_ok(name, header[name]):
             return f"field {name!r} holds {header[name]!r}"
     if _SUM in header and not isinstance(header[_SUM], str):
         return f"field {_SUM!r} holds {header[_SUM]!r}"

@@ -36,7 +36,9 @@ import asyncio
 import atexit
 import concurrent.futures
 import dataclasses
+import errno
 import hmac
+import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -50,6 +52,7 @@ import pyarrow.flight as flight
 
 from ._errors import (
     EndpointAuthError,
+    EndpointBindError,
     EndpointError,
     EndpointVersionMismatch,
 )
@@ -67,7 +70,9 @@ __all__ = [
     "EndpointSpec",
     "FlightLink",
     "FlightServing",
+    "bind_problem",
     "handshake",
+    "token_problem",
 ]
 
 #: the version of what travels over the endpoint; a client and a coordinator of
@@ -146,6 +151,21 @@ class EndpointRef:
     shared: str | None = None
 
 
+def token_problem(token: str) -> str | None:
+    """Why ``token`` cannot travel in the ``authorization`` header every call carries
+    (gRPC metadata takes printable ASCII only: space to ``~``), naming the first
+    character that cannot by its position and code point, never the token itself; None
+    when it can."""
+    for i, ch in enumerate(token):
+        if not " " <= ch <= "~":
+            kind = "not ASCII" if ord(ch) > 127 else "a control character"
+            return (
+                f"its character {i + 1} of {len(token)} is U+{ord(ch):04X} ({kind}), which "
+                f"gRPC metadata cannot carry (printable ASCII only, space to '~')"
+            )
+    return None
+
+
 def _split(hostport: str, what: str) -> tuple[str, int]:
     host, sep, port = hostport.rpartition(":")
     if not sep or not host or not port.isdigit():
@@ -198,14 +218,63 @@ class FlightServing(flight.FlightServerBase):  # type: ignore[misc]
         host, port = _split(spec.bind, "the endpoint's bind address")
         tls = spec.tls_cert is not None
         scheme = "grpc+tls" if tls else "grpc+tcp"
-        super().__init__(
-            f"{scheme}://{host}:{port}",
-            tls_certificates=[(spec.tls_cert, spec.tls_key)] if tls else None,
-            middleware={"auth": _AuthFactory(spec.token)},
-        )
+        try:
+            super().__init__(
+                f"{scheme}://{host}:{port}",
+                tls_certificates=[(spec.tls_cert, spec.tls_key)] if tls else None,
+                middleware={"auth": _AuthFactory(spec.token)},
+            )
+        except Exception as ex:  # gRPC says only "Server did not start properly"
+            raise EndpointBindError(
+                f"the endpoint's server cannot listen on {host}:{port}: "
+                f"{bind_problem(host, port, tls, ex)}"
+            ) from ex
         self.id = uuid.uuid4().hex
         advertise = spec.advertise or f"{host}:{self.port}"
         self.location = f"{scheme}://{advertise}"
+
+
+def bind_problem(host: str, port: int, tls: bool, failure: BaseException) -> str:
+    """Why a server did not start on ``host:port`` (gRPC's ``failure`` does not say), found
+    by binding a plain socket there: the cause and its fix, never a guess."""
+    said = (str(failure).splitlines() or [type(failure).__name__])[0]
+    try:
+        found = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as ex:
+        return (
+            f"the host {host!r} does not resolve here ({ex.strerror}): give "
+            f"EndpointConfig(bind='host:port') a name or address of the coordinator's node"
+        )
+    for family, kind, proto, _name, where in found:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(where)
+            except OSError as ex:
+                if ex.errno == errno.EADDRINUSE:
+                    return (
+                        f"port {port} is in use there: give EndpointConfig(bind='host:port') "
+                        f"a free port (port 0: any free one)"
+                    )
+                if ex.errno == errno.EADDRNOTAVAIL:
+                    return (
+                        f"{host} is not an address of the node the server runs on: give "
+                        f"EndpointConfig(bind=...) an address of the coordinator's node, or "
+                        f"'0.0.0.0:<port>' for every interface"
+                    )
+                if ex.errno == errno.EACCES:
+                    return (
+                        f"port {port} needs privileges this process does not have: use a "
+                        f"port above 1023"
+                    )
+                return f"binding a socket there fails too ({ex.strerror}); gRPC said {said!r}"
+    cause = "its TLS certificate or key, " if tls else ""
+    return (
+        f"gRPC did not start the server ({said!r}), though the address takes a socket: the "
+        f"cause is not the port ({cause}see the coordinator's log for gRPC's own words)"
+    )
 
 
 class EndpointServer(FlightServing):
@@ -550,6 +619,13 @@ def handshake(
             f"advertise=...), a firewall or NetworkPolicy, TLS on both sides or "
             f"neither), and that {running} is running"
         ) from None
+    except flight.FlightError as ex:
+        bad = token_problem(address.token)
+        said = (str(ex).splitlines() or [""])[0]
+        why = f"the token cannot be sent: {bad}" if bad is not None else said
+        raise EndpointError(
+            f"{what} at {where} failed this subtask's first call ({type(ex).__name__}): {why}"
+        ) from ex
     version, server_id = cloudpickle.loads(result.body.to_pybytes())
     if version != protocol:  # pragma: no cover - the middleware refuses first
         raise EndpointVersionMismatch(

@@ -21,6 +21,7 @@ __all__ = [
     "CoreError",
     "CutError",
     "EndpointAuthError",
+    "EndpointBindError",
     "EndpointError",
     "EndpointVersionMismatch",
     "FeedbackShapeMismatch",
@@ -69,6 +70,11 @@ class EndpointAuthError(EndpointError):
 
 class EndpointVersionMismatch(EndpointError):
     """The subtask and the coordinator endpoint speak different protocol versions."""
+
+
+class EndpointBindError(EndpointError):
+    """An endpoint's server cannot listen where it is told (the port is taken, the host
+    is not an address of its node, ...); the message names the cause found and the fix."""
 
 
 class CheckpointError(HybridIterError):

@@ -32,6 +32,8 @@ import them (``hybrid_iter``, ``hybrid_iter.ps``, ``hybrid_iter.cli``,
     │   └── TrainFailedError                 ``ps.train`` failed; ``params``: what the
     │                                        shards held when it stopped
     ├── SessionError (RuntimeError)          no session, or a session that cannot start
+    │   └── SessionStoppedError              a DataFrame of a stopped SparkSession, given
+    │                                        to an entry point (refused before any job)
     ├── StoredArraysLost (RuntimeError)      the array cache lost what a fit was to read
     │                                        (the fit reads from Spark instead)
     ├── UsageError (RuntimeError)            an API called where it cannot be
@@ -84,6 +86,9 @@ import them (``hybrid_iter``, ``hybrid_iter.ps``, ``hybrid_iter.cli``,
     │   │                                    endpoint (unreachable, failed); names the
     │   │                                    address and the fix
     │   ├── EndpointAuthError                the endpoint refused the subtask's token
+    │   ├── EndpointBindError                an endpoint's server cannot listen where it
+    │   │                                    is told: the cause found (port taken, host
+    │   │                                    not of its node, ...) and the fix
     │   └── EndpointVersionMismatch          subtask and coordinator protocol versions
     │                                        differ
     └── RemoteFailure                        one failure of user code, with where, epoch
@@ -122,6 +127,7 @@ from coordinator._errors import (
     CheckpointError,
     ConfigTypeError,
     EndpointAuthError,
+    EndpointBindError,
     EndpointError,
     EndpointVersionMismatch,
     HybridIterError,
@@ -141,6 +147,7 @@ __all__ = [
     "ConvergenceWarning",
     "DataValidationError",
     "EndpointAuthError",
+    "EndpointBindError",
     "EndpointError",
     "EndpointVersionMismatch",
     "HybridIterError",
@@ -153,6 +160,7 @@ __all__ = [
     "RemoteFailure",
     "RunStateError",
     "SessionError",
+    "SessionStoppedError",
     "ShardLost",
     "ShardsUnavailable",
     "SparkOpsError",
@@ -172,6 +180,12 @@ class DataValidationError(HybridIterError, ValueError):
 
 class SessionError(HybridIterError, RuntimeError):
     """No usable Spark + Ray session."""
+
+
+class SessionStoppedError(SessionError):
+    """A DataFrame whose SparkSession was stopped (the ``Session`` closed, or
+    ``spark.stop()``) was given to an entry point: no Spark job can read it. Start a new
+    session and read the data again with it."""
 
 
 class StoredArraysLost(HybridIterError, RuntimeError):

@@ -402,6 +402,192 @@ def test_bad_endpoint_settings_are_refused_before_any_job(tmp_path):
         hi.EndpointConfig(shared_memory="yes")
 
 
+def _no_job_may_run(spark):
+    """A DataFrame whose rows fail if any Spark job reads them: a refusal raised with it
+    came before any job."""
+
+    def boom(batches):
+        raise RuntimeError("a Spark job ran")
+        yield  # pragma: no cover
+
+    return spark.range(4, numPartitions=2).mapInArrow(boom, "id long")
+
+
+@pytest.mark.parametrize(
+    ("token", "position", "code"),
+    [
+        ("Zq9s3cret\nvalue", 10, "U+000A"),
+        ("Zq9p\u00e4ssword", 5, "U+00E4"),
+        ("Zq9tab\there", 7, "U+0009"),
+        ("Zq9token\x7f", 9, "U+007F"),
+    ],
+)
+def test_a_token_grpc_cannot_carry_is_refused_naming_the_character_not_the_token(
+    token, position, code
+):
+    with pytest.raises(hi.IterationConfigError) as info:
+        hi.EndpointConfig(token=token)
+    text = str(info.value)
+    assert "EndpointConfig.token" in text and f"character {position} of {len(token)}" in text
+    assert code in text and "printable ASCII" in text and "token_hex" in text
+    assert "Zq9" not in text  # nothing of the secret
+
+
+def test_the_token_rule_is_the_one_grpc_applies():
+    """What the config accepts the endpoint carries (spaces and '~' included); what it
+    refuses, a subtask's first call fails on, named, not as a raw Flight error."""
+    for token in (" lead", "trail ", "a b~c", secrets_token()):
+        hi.EndpointConfig(token=token)
+        with _served(EndpointSpec(bind="127.0.0.1:0", token=token), size=10) as (_c, location):
+            FlightLink(EndpointAddress(location, token, connect_timeout=10)).close()
+    with _served(EndpointSpec(bind="127.0.0.1:0", token="right"), size=10) as (_c, location):
+        with pytest.raises(
+            hi.EndpointError, match=r"token cannot be sent: its character 2 of 3 is U\+000A"
+        ):
+            FlightLink(EndpointAddress(location, "a\nb", connect_timeout=10))
+
+
+def secrets_token() -> str:
+    import secrets
+
+    return secrets.token_hex(32)
+
+
+def test_a_bad_token_in_the_environment_variable_is_refused_before_any_job(spark, monkeypatch):
+    from hybrid_iter._runtime.endpoint import TOKEN_ENV
+
+    monkeypatch.setenv(TOKEN_ENV, "s3cr\u00e9t-from-a-secret\n")  # the newline is stripped
+    with pytest.raises(hi.IterationConfigError) as info:
+        _iterate(
+            {"version": 0},
+            _no_job_may_run(spark),
+            hi.IterationBody(Recorder(), RecordingCoordinator()),
+            parallelism=2,
+            max_epochs=2,
+            transport="endpoint",
+        )
+    text = str(info.value)
+    assert f"the environment variable {TOKEN_ENV}" in text
+    assert "character 5 of 20 is U+00E9 (not ASCII)" in text and "s3cr" not in text
+
+
+def _pem_files(tmp_path):
+    """The files a TLS setup can get wrong, on disk."""
+    from cryptography.hazmat.primitives import serialization
+
+    cert, key = _self_signed(tmp_path)
+    _other_cert, other_key = _self_signed(tmp_path)
+    k = serialization.load_pem_private_key(key, None)
+    files = {
+        "cert.pem": cert,
+        "key.pem": key,
+        "other-key.pem": other_key,
+        "key.der": k.private_bytes(
+            serialization.Encoding.DER,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ),
+        "key-encrypted.pem": k.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"passphrase"),
+        ),
+        "notes.txt": b"the certificate is on the wiki\n",
+        "broken.pem": b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("cert", "key", "roots", "named", "says"),
+    [
+        ("notes.txt", "key.pem", None, "tls_cert", "text without a PEM block"),
+        ("key.pem", "cert.pem", None, "tls_cert", "tls_cert and tls_key swapped"),
+        ("broken.pem", "key.pem", None, "tls_cert", "not a readable certificate"),
+        ("cert.pem", "key.der", None, "tls_key", "binary (DER?): convert it to PEM (openssl pkey"),
+        ("cert.pem", "key-encrypted.pem", None, "tls_key", "encrypted private key"),
+        ("cert.pem", "other-key.pem", None, "tls_key", "is not the private key of the certificate"),
+        ("cert.pem", "key.pem", "key.pem", "tls_root_certs", "PEM of something else (PRIVATE KEY)"),
+    ],
+)
+def test_tls_files_that_are_not_pem_are_refused_naming_the_file(
+    tmp_path, cert, key, roots, named, says
+):
+    from hybrid_iter._runtime.endpoint import EndpointPlan
+
+    d = _pem_files(tmp_path)
+    tls = hi.EndpointConfig(
+        tls_cert=str(d / cert),
+        tls_key=str(d / key),
+        tls_root_certs=str(d / roots) if roots else None,
+    )
+    with pytest.raises(hi.IterationConfigError) as info:
+        EndpointPlan.of(hi.IterationConfig(transport="endpoint", endpoint=tls), None)
+    text = str(info.value)
+    given = {"tls_cert": cert, "tls_key": key, "tls_root_certs": roots}[named]
+    assert f"EndpointConfig.{named} {str(d / given)!r}" in text and says in text
+    assert "port" not in text
+
+
+def test_a_tls_key_that_is_not_pem_fails_the_run_before_any_job_not_as_a_bind_failure(
+    spark, tmp_path
+):
+    d = _pem_files(tmp_path)
+    with pytest.raises(hi.IterationConfigError) as info:
+        _iterate(
+            {"version": 0},
+            _no_job_may_run(spark),
+            hi.IterationBody(Recorder(), RecordingCoordinator()),
+            parallelism=2,
+            max_epochs=2,
+            transport="endpoint",
+            endpoint=hi.EndpointConfig(tls_cert=str(d / "cert.pem"), tls_key=str(d / "key.der")),
+        )
+    assert "EndpointConfig.tls_key" in str(info.value) and "free port" not in str(info.value)
+
+
+def test_a_taken_port_fails_the_run_naming_the_port_with_the_cause_chained(spark):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(hi.SessionError) as info:
+            _iterate(
+                {"version": 0},
+                spark.range(4, numPartitions=2),
+                hi.IterationBody(Recorder(), RecordingCoordinator()),
+                parallelism=2,
+                max_epochs=2,
+                transport="endpoint",
+                endpoint=hi.EndpointConfig(bind=f"127.0.0.1:{port}"),
+            )
+    text = str(info.value)
+    assert f"on 127.0.0.1:{port}" in text and f"port {port} is in use" in text
+    assert isinstance(info.value.__cause__, hi.EndpointBindError)
+
+
+def test_a_server_that_does_not_start_names_the_cause_it_finds_not_the_port():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(hi.EndpointBindError, match=f"port {port} is in use there"):
+            endpoint.FlightServing(EndpointSpec(bind=f"127.0.0.1:{port}", token="t"))
+    with pytest.raises(hi.EndpointBindError, match="is not an address of the node"):
+        endpoint.FlightServing(EndpointSpec(bind="192.0.2.1:0", token="t"))  # TEST-NET-1
+    with pytest.raises(hi.EndpointBindError, match="does not resolve") as info:
+        endpoint.FlightServing(EndpointSpec(bind="no-such-host.invalid:0", token="t"))
+    # bytes gRPC refuses as a certificate (the driver checks the files first)
+    garbage = EndpointSpec(bind="127.0.0.1:0", token="t", tls_cert=b"x", tls_key=b"y")
+    with pytest.raises(hi.EndpointBindError) as info:
+        endpoint.FlightServing(garbage)
+    text = str(info.value)
+    assert "the cause is not the port" in text and "TLS certificate or key" in text
+    assert "free port" not in text and info.value.__cause__ is not None
+
+
 # -- the endpoint against the real coordinator in this process (no Ray) -------------------
 
 N = 2
