@@ -250,6 +250,44 @@ class WorkerDiedError(IterationFailedError):
             how += f" (exit code {exit_code})"
         return f"the Spark Python worker running {who} died{how}; Spark said {report!r}"
 
+    @staticmethod
+    def advice(signal: str | None) -> str:
+        """What to do about a worker that died of ``signal`` (None: Spark did not say):
+        memory is advised only where memory can be the cause."""
+        if signal == "SIGBUS":
+            return (
+                "SIGBUS: it read memory mapped from a file that was cut short under it "
+                "(a file in /dev/shm, where Ray's object store also lives, truncated by "
+                "another process or a cleaner, or a full /dev/shm); more memory does not "
+                "help: find what truncates or fills files there, and read the executor's log"
+            )
+        if signal in ("SIGSEGV", "SIGILL", "SIGFPE", "SIGABRT"):
+            return (
+                f"{signal}: it crashed in native code (a C extension the operator calls, a "
+                f"library built for another CPU); more memory does not help: read the "
+                f"executor's log for the native trace"
+            )
+        if signal is None:
+            return (
+                "the process was killed (from outside, by the out-of-memory killer or a "
+                "container limit) or crashed in native code. If it recurs, give the "
+                "executors more memory (spark.executor.memory, "
+                "spark.executor.pyspark.memory), read the executor's log, and set "
+                "spark.python.worker.faulthandler.enabled=true for Spark to report the "
+                "signal of a crash"
+            )
+        if signal == "SIGKILL":
+            return (
+                "SIGKILL: it was killed from outside, by the out-of-memory killer or a "
+                "container limit. If it recurs, give the executors more memory "
+                "(spark.executor.memory, spark.executor.pyspark.memory) and read the "
+                "executor's log (and the node's kernel log for the out-of-memory killer)"
+            )
+        return (
+            f"{signal}: it was killed from outside (a scheduler preempting it, an "
+            f"operator); read the executor's log"
+        )
+
     def __reduce__(self):
         return (
             WorkerDiedError,
