@@ -8,7 +8,7 @@ the previous checkpoint go to a segment ``out-<epoch:010d>.pkl`` (so a checkpoin
 does not grow with the epochs behind it). Both use one container::
 
     magic "HICKPT3\\n" | header length (4 bytes, LE) | header (JSON: run id, kind, epoch,
-    key id, array table, python section length)
+    key id, array table, python section length, a keyless checksum of these fields)
     | arrays: numpy ``.npy`` records (read with allow_pickle=False)
     | python section: a (cloud)pickle whose numpy arrays are references into the array
       section
@@ -29,7 +29,10 @@ and Fortran arrays in C order) are refused with a message saying so.
 the tag is checked with the run's key before anything is parsed beyond the JSON header;
 only then are the arrays read (``allow_pickle=False``) and the python section unpickled.
 A file that fails the check (tampered, forged, written with another key, truncated) is
-reported and skipped exactly like a corrupt one. The key comes from the environment
+reported and skipped exactly like a corrupt one; the header's checksum tells a damaged
+file (``CheckpointDamaged``) from one sealed with another key
+(``coordinator._checkpoint_header``), and a file whose authenticated header names
+another kind or epoch than its file name is refused too. The key comes from the environment
 variable ``HYBRID_ITER_CHECKPOINT_KEY`` (e.g. a Kubernetes Secret) or, when it is not
 set, from a per-user key file generated once (``~/.hybrid_iter/checkpoint.key``, mode
 0600), so a driver that died and is resumed on the same host finds it again. Files are
@@ -50,7 +53,6 @@ import dataclasses
 import hashlib
 import hmac
 import io
-import json
 import math
 import os
 import pickle
@@ -69,6 +71,10 @@ import pyarrow.fs as pafs
 
 import storage_uri
 
+from ._checkpoint_header import MAGIC as _MAGIC
+from ._checkpoint_header import TAG as _TAG
+from ._checkpoint_header import damaged, header_bytes, header_intact
+from ._checkpoint_header import read_header as _header
 from ._errors import (
     CheckpointCorrupt,
     CheckpointEncodeError,
@@ -101,8 +107,6 @@ KEY_ENV = "HYBRID_ITER_CHECKPOINT_KEY"
 #: a key still accepted for reading while ``KEY_ENV`` holds a new one (rotation)
 PREVIOUS_KEY_ENV = "HYBRID_ITER_CHECKPOINT_PREVIOUS_KEY"
 KEY_FILE_ENV = "HYBRID_ITER_CHECKPOINT_KEY_FILE"
-_MAGIC = b"HICKPT3\n"
-_TAG = 32
 
 
 @dataclass(frozen=True)
@@ -424,7 +428,7 @@ def _encode(obj: Any, *, key: bytes, run_id: str, kind: str, epoch: int) -> list
         blobs.append(head.getvalue())
         blobs.append(_raw(arr))
         table.append(len(blobs[-2]) + arr.nbytes)
-    header = json.dumps(
+    header = header_bytes(
         {
             "run_id": run_id,
             "kind": kind,
@@ -433,7 +437,7 @@ def _encode(obj: Any, *, key: bytes, run_id: str, kind: str, epoch: int) -> list
             "arrays": table,
             "python": len(python),
         }
-    ).encode()
+    )
     pieces: list[Any] = [_MAGIC, struct.pack("<I", len(header)), header, *blobs, python]
     pieces.append(_tag(key, pieces))
     return pieces
@@ -444,37 +448,6 @@ def _tag(key: bytes, pieces: list[Any]) -> bytes:
     for p in pieces:
         mac.update(p)
     return mac.digest()
-
-
-def _header(blob: bytes, path: str) -> tuple[dict[str, Any], int]:
-    """The JSON header (not yet authenticated) and where the body starts."""
-    if blob[: len(_MAGIC) - 2] == _MAGIC[:-2] and blob[len(_MAGIC) - 1 : len(_MAGIC)] == b"\n":
-        version = blob[len(_MAGIC) - 2 : len(_MAGIC) - 1].decode("ascii", "replace")
-        if version != _MAGIC[-2:-1].decode():
-            raise CheckpointCorrupt(
-                f"{path}: bad header: container format {version} of another hybrid_iter "
-                f"version (this one reads format {_MAGIC[-2:-1].decode()}), not loaded. Format "
-                f"2 restored 0-d arrays with shape (1,) and Fortran-ordered arrays in C order, "
-                f"so its files are not read: resume it with the hybrid_iter version that "
-                f"wrote it, or start a new run in an empty directory"
-            )
-    if len(blob) < len(_MAGIC) + 4 + _TAG or not blob.startswith(_MAGIC):
-        raise CheckpointCorrupt(f"{path}: not a hybrid_iter checkpoint file (bad header)")
-    (length,) = struct.unpack("<I", blob[len(_MAGIC) : len(_MAGIC) + 4])
-    start = len(_MAGIC) + 4
-    if start + length + _TAG > len(blob):
-        raise CheckpointCorrupt(f"{path}: truncated (the header runs past the end)")
-    try:
-        header = json.loads(bytes(blob[start : start + length]))
-        body = sum(int(n) for n in header["arrays"]) + int(header["python"])
-    except (ValueError, KeyError, TypeError) as ex:
-        raise CheckpointCorrupt(f"{path}: unreadable header ({ex})") from None
-    end = start + length + body
-    if end + _TAG != len(blob):
-        raise CheckpointCorrupt(
-            f"{path}: truncated ({len(blob) - _TAG - start - length} of {body} body bytes)"
-        )
-    return header, start + length
 
 
 def _authenticate(blob: bytes, path: str, header: dict[str, Any], keys: tuple[bytes, ...]) -> int:
@@ -488,16 +461,20 @@ def _authenticate(blob: bytes, path: str, header: dict[str, Any], keys: tuple[by
         if hmac.compare_digest(tag, bytes(view[-_TAG:])):
             return i
     ours = [key_id(k) for k in keys]
+    if header_intact(header) is False:  # the key id it names is not to be believed
+        raise damaged(path, "authentication failed, and its header does not match its checksum")
     if theirs in ours:
-        why = "it was modified after it was written (tampered or corrupt)"
-    else:
-        accepted = ours[0] + (f", previous key {ours[1]}" if len(ours) > 1 else "")
-        why = (
-            f"written with another key (key id {theirs}, this process accepts {accepted}): "
-            f"set {KEY_ENV} to the key of the run that wrote it, or, when rotating keys, "
-            f"set {PREVIOUS_KEY_ENV} to it"
+        raise damaged(
+            path,
+            "authentication failed: it was modified after it was written (its bytes do not "
+            "match the seal of the key that wrote it: a flipped or lost byte, or tampering)",
         )
-    raise CheckpointCorrupt(f"{path}: authentication failed, not loaded: {why}")
+    accepted = ours[0] + (f", previous key {ours[1]}" if len(ours) > 1 else "")
+    raise CheckpointCorrupt(
+        f"{path}: authentication failed, not loaded: written with another key (key id "
+        f"{theirs}, this process accepts {accepted}): set {KEY_ENV} to the key of the run "
+        f"that wrote it, or, when rotating keys, set {PREVIOUS_KEY_ENV} to it"
+    )
 
 
 def _read_array(view: memoryview, pos: int, n: int, path: str) -> np.ndarray[Any, Any]:
@@ -544,7 +521,7 @@ def _decode(blob: bytes, path: str, keys: tuple[bytes, ...]) -> tuple[dict[str, 
 def _resealed(blob: bytes, header: dict[str, Any], key: bytes) -> list[Any]:
     """The pieces of ``blob`` sealed with ``key`` instead (the body is unchanged)."""
     _, pos = _header(blob, "")
-    new = json.dumps({**header, "key_id": key_id(key)}).encode()
+    new = header_bytes({**header, "key_id": key_id(key)})
     view = memoryview(blob)
     pieces: list[Any] = [_MAGIC, struct.pack("<I", len(new)), new, view[pos:-_TAG]]
     pieces.append(_tag(key, pieces))
@@ -626,11 +603,17 @@ class CheckpointStore:
         """True when the directory holds checkpoints or output segments of some run."""
         return bool(self.checkpoint_epochs() or self._epochs("out-", ".pkl"))
 
-    def _read(self, name: str) -> tuple[dict[str, Any], Any]:
+    def _read(self, name: str, kind: str, epoch: int | None = None) -> tuple[dict[str, Any], Any]:
+        """File ``name``, which must hold a ``kind`` (of ``epoch``, when given)."""
         path = f"{self.dir}/{name}"
         with self.fs.open_input_stream(path) as f:
             blob = f.read()
         header, obj, used = _decode(blob, path, self.read_keys)
+        if header["kind"] != kind or (epoch is not None and header["epoch"] != epoch):
+            raise CheckpointCorrupt(
+                f"{path}: holds the {header['kind']} of epoch {header['epoch']}, not what its "
+                f"name says: renamed, or copied over another file; not loaded"
+            )
         if used:
             # sealed with the previous key: seal it with the current one, so once every
             # file was read or replaced the previous key can go
@@ -664,7 +647,7 @@ class CheckpointStore:
                 continue
             name = f"chk-{epoch:010d}.ckpt"
             try:
-                header, data = self._read(name)
+                header, data = self._read(name, "checkpoint", epoch)
             except (CheckpointCorrupt, pickle.UnpicklingError, EOFError, OSError) as ex:
                 skipped.append((f"{self.dir}/{name}", str(ex)))
                 damaged.append(epoch)
@@ -702,7 +685,7 @@ class CheckpointStore:
                 self._prune_segment(name)
                 continue
             try:
-                header, segment = self._read(name)
+                header, segment = self._read(name, "outputs", e)
                 if self.run_id and header.get("run_id") != self.run_id:
                     raise CheckpointCorrupt(
                         f"{self.dir}/{name}: belongs to run {header.get('run_id')!r}, not "
@@ -735,7 +718,7 @@ def write_record(store: CheckpointStore, name: str, obj: Any) -> str:
 def read_record(store: CheckpointStore, name: str) -> Any:
     """Read record ``name``; ``CheckpointCorrupt`` (or ``OSError``) when it cannot be used."""
     try:
-        header, obj = store._read(name)
+        header, obj = store._read(name, "record")
     except (pickle.UnpicklingError, EOFError) as ex:
         raise CheckpointCorrupt(f"{store.dir}/{name}: {ex}") from ex
     if store.run_id and header.get("run_id") != store.run_id:

@@ -12,10 +12,10 @@ the protocol, its determinism and its recovery are those of the Ray path.
   through Ray; a larger one is named in the reply (``EndpointRef``: version and layout)
   and read once per version per Python process (``_VersionCache``): every later subtask
   call of that process reads the cached, read-only arrays. A process on the
-  coordinator's host, of its user, maps the version read-only from the file the server
-  wrote it to once in shared memory (``_SharedFiles``/``_map_version``: Ray's
-  object-store path, without Ray); any other streams it by ``DoGet`` in chunks of raw
-  bytes.
+  coordinator's host, of its user, maps the version read-only from the sealed memory
+  file the server wrote it to once (``coordinator._shared_versions``: Ray's
+  object-store path, without Ray, and no mapping that a truncation could fault); any
+  other streams it by ``DoGet`` in chunks of raw bytes.
 * **Authentication**: every call carries ``authorization: Bearer <token>``; the server's
   middleware refuses a missing or wrong token before any byte of the body is unpickled
   (the body is pickled Python: the token is what stands between the network and the
@@ -36,16 +36,11 @@ import asyncio
 import atexit
 import concurrent.futures
 import dataclasses
-import fcntl
-import hashlib
+import errno
 import hmac
-import itertools
-import mmap
-import os
-import stat
+import socket
 import threading
 import uuid
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -57,11 +52,13 @@ import pyarrow.flight as flight
 
 from ._errors import (
     EndpointAuthError,
+    EndpointBindError,
     EndpointError,
     EndpointVersionMismatch,
 )
 from ._link import CoordinatorLink, Pending, _Forwarding, _FuturePending, _Mapped
 from ._protocol import Reply
+from ._shared_versions import SharedFiles, map_version, shared_memory_available
 from ._variables import INLINE_LIMIT, VariablesPayload
 
 __all__ = [
@@ -73,7 +70,9 @@ __all__ = [
     "EndpointSpec",
     "FlightLink",
     "FlightServing",
+    "bind_problem",
     "handshake",
+    "token_problem",
 ]
 
 #: the version of what travels over the endpoint; a client and a coordinator of
@@ -103,23 +102,6 @@ _CALLS = frozenset(
 _CHUNK = 2 << 20
 _BYTES = pa.schema([("bytes", pa.uint8())])
 _EMPTY = np.empty(0, np.uint8)
-#: where the server writes large versions for the subtasks of its host (tmpfs: memory)
-SHARED_DIR = "/dev/shm"
-_PREFIX = "hi-vars-"
-#: a version file: this header (magic, server id, version, size), then each variable's
-#: bytes at an offset aligned for any dtype
-_MAGIC = b"HIVARS2\0"
-_HEADER = 64
-_ALIGN = 64
-#: version files kept under their version's name: a subtask opens the newest right after
-#: its reply; an older version is streamed (the server still holds it) rather than kept
-#: in shared memory, so a coordinator killed outright leaves few files behind
-_LINKED = 2
-#: files of older versions kept to be written again (their memory is allocated already:
-#: writing a version into fresh tmpfs pages costs more than Ray's put)
-_SPARES = 2
-#: a reader maps a version's pages at once (one call) rather than fault by fault
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 @dataclass(frozen=True)
@@ -135,7 +117,7 @@ class EndpointSpec:
     advertise: str | None = None
     tls_cert: bytes | None = None
     tls_key: bytes | None = None
-    #: write large versions to ``SHARED_DIR`` for the subtasks of this host
+    #: write large versions to sealed shared memory for the subtasks of this host
     shared_memory: bool = True
 
 
@@ -160,13 +142,28 @@ class EndpointAddress:
 @dataclass(frozen=True)
 class EndpointRef:
     """A large variables version to read: ``layout`` is ``(name, dtype, shape,
-    nbytes)`` per variable, in the order their bytes are streamed; ``shared`` the name
-    of its file in ``SHARED_DIR`` on the coordinator's host (None: streamed only)."""
+    nbytes)`` per variable, in the order their bytes are streamed; ``shared`` where its
+    file is on the coordinator's host, ``<pid>/<fd>`` (None: streamed only)."""
 
     server: str
     version: int
     layout: tuple[tuple[str, str, tuple[int, ...], int], ...]
     shared: str | None = None
+
+
+def token_problem(token: str) -> str | None:
+    """Why ``token`` cannot travel in the ``authorization`` header every call carries
+    (gRPC metadata takes printable ASCII only: space to ``~``), naming the first
+    character that cannot by its position and code point, never the token itself; None
+    when it can."""
+    for i, ch in enumerate(token):
+        if not " " <= ch <= "~":
+            kind = "not ASCII" if ord(ch) > 127 else "a control character"
+            return (
+                f"its character {i + 1} of {len(token)} is U+{ord(ch):04X} ({kind}), which "
+                f"gRPC metadata cannot carry (printable ASCII only, space to '~')"
+            )
+    return None
 
 
 def _split(hostport: str, what: str) -> tuple[str, int]:
@@ -221,14 +218,63 @@ class FlightServing(flight.FlightServerBase):  # type: ignore[misc]
         host, port = _split(spec.bind, "the endpoint's bind address")
         tls = spec.tls_cert is not None
         scheme = "grpc+tls" if tls else "grpc+tcp"
-        super().__init__(
-            f"{scheme}://{host}:{port}",
-            tls_certificates=[(spec.tls_cert, spec.tls_key)] if tls else None,
-            middleware={"auth": _AuthFactory(spec.token)},
-        )
+        try:
+            super().__init__(
+                f"{scheme}://{host}:{port}",
+                tls_certificates=[(spec.tls_cert, spec.tls_key)] if tls else None,
+                middleware={"auth": _AuthFactory(spec.token)},
+            )
+        except Exception as ex:  # gRPC says only "Server did not start properly"
+            raise EndpointBindError(
+                f"the endpoint's server cannot listen on {host}:{port}: "
+                f"{bind_problem(host, port, tls, ex)}"
+            ) from ex
         self.id = uuid.uuid4().hex
         advertise = spec.advertise or f"{host}:{self.port}"
         self.location = f"{scheme}://{advertise}"
+
+
+def bind_problem(host: str, port: int, tls: bool, failure: BaseException) -> str:
+    """Why a server did not start on ``host:port`` (gRPC's ``failure`` does not say), found
+    by binding a plain socket there: the cause and its fix, never a guess."""
+    said = (str(failure).splitlines() or [type(failure).__name__])[0]
+    try:
+        found = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as ex:
+        return (
+            f"the host {host!r} does not resolve here ({ex.strerror}): give "
+            f"EndpointConfig(bind='host:port') a name or address of the coordinator's node"
+        )
+    for family, kind, proto, _name, where in found:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(where)
+            except OSError as ex:
+                if ex.errno == errno.EADDRINUSE:
+                    return (
+                        f"port {port} is in use there: give EndpointConfig(bind='host:port') "
+                        f"a free port (port 0: any free one)"
+                    )
+                if ex.errno == errno.EADDRNOTAVAIL:
+                    return (
+                        f"{host} is not an address of the node the server runs on: give "
+                        f"EndpointConfig(bind=...) an address of the coordinator's node, or "
+                        f"'0.0.0.0:<port>' for every interface"
+                    )
+                if ex.errno == errno.EACCES:
+                    return (
+                        f"port {port} needs privileges this process does not have: use a "
+                        f"port above 1023"
+                    )
+                return f"binding a socket there fails too ({ex.strerror}); gRPC said {said!r}"
+    cause = "its TLS certificate or key, " if tls else ""
+    return (
+        f"gRPC did not start the server ({said!r}), though the address takes a socket: the "
+        f"cause is not the port ({cause}see the coordinator's log for gRPC's own words)"
+    )
 
 
 class EndpointServer(FlightServing):
@@ -242,10 +288,9 @@ class EndpointServer(FlightServing):
         self._versions: dict[int, tuple[EndpointRef, dict[str, np.ndarray]]] = {}
         self._lock = threading.Lock()
         self._token = spec.token.encode()
-        shared = _shared_dir() if spec.shared_memory else None
-        self._files = None if shared is None else _SharedFiles(shared, spec.token, self.id)
-        if shared is not None:
-            _sweep(shared)
+        shared = spec.shared_memory and shared_memory_available()
+        self._files = SharedFiles(self.id) if shared else None
+        if shared:
             atexit.register(self.forget_versions)
 
     # runs on the coordinator's loop: the store is read where it is written
@@ -306,7 +351,7 @@ class EndpointServer(FlightServing):
         ref = EndpointRef(self.id, version, layout)
         if self._files is not None:
             name = self._files.write(ref, values)
-            if name is not None:  # else (a full tmpfs): streamed only
+            if name is not None:  # else (no memory for it): streamed only
                 ref = dataclasses.replace(ref, shared=name)
         held = (ref, values)
         self._versions[version] = held
@@ -318,7 +363,8 @@ class EndpointServer(FlightServing):
         return held
 
     def forget_versions(self) -> None:
-        """Remove this server's version files (the run ended, or the process does)."""
+        """Close this server's version files (the run ended, or the process does); their
+        memory goes once no reader maps them."""
         if self._files is not None:
             with self._lock:
                 self._files.remove_all()
@@ -357,215 +403,6 @@ def _chunks(ref: EndpointRef, values: Mapping[str, np.ndarray]) -> Iterator[pa.R
         raw = np.ascontiguousarray(values[name]).reshape(-1).view(np.uint8)
         for start in range(0, nbytes, _CHUNK):
             yield _batch(raw[start : start + _CHUNK])
-
-
-def _offsets(layout: tuple[tuple[str, str, tuple[int, ...], int], ...]) -> tuple[list[int], int]:
-    """Where each variable of ``layout`` starts in a version file, and the file's size."""
-    at, out = _HEADER, []
-    for _name, _dtype, _shape, nbytes in layout:
-        out.append(at)
-        at += -(-nbytes // _ALIGN) * _ALIGN
-    return out, at
-
-
-def _file_header(ref: EndpointRef, size: int) -> bytes:
-    head = _MAGIC + ref.server.encode()[:32].ljust(32, b"\0")
-    head += ref.version.to_bytes(8, "little", signed=True) + size.to_bytes(8, "little")
-    return head.ljust(_HEADER, b"\0")
-
-
-def _views(mapped: mmap.mmap, ref: EndpointRef) -> dict[str, np.ndarray]:
-    """The read-only variables of ``ref`` in place in the file ``mapped``."""
-    offsets, _size = _offsets(ref.layout)
-    out = {}
-    for (name, dtype, shape, nbytes), at in zip(ref.layout, offsets, strict=True):
-        dt = np.dtype(dtype)
-        arr = np.frombuffer(mapped, dt, nbytes // dt.itemsize, at).reshape(shape)
-        arr.flags.writeable = False
-        out[name] = arr
-    return out
-
-
-class _SharedFiles:
-    """The server's version files in ``directory`` (mode 0600, named from the token).
-
-    A reader holds a shared ``flock`` on a file for as long as it maps it; a file is
-    written again (for a newer version, under another name) only under an exclusive
-    lock taken without waiting, so never while a reader maps it. A version's file is
-    written whole under another name and then renamed: a reader finds the whole file
-    or none, and checks its header (server, version, size) under its lock, so a file
-    opened under an old name and written again since is recognised and not used. The
-    server writes through a mapping of each file that it keeps (the pages, allocated
-    once with ``posix_fallocate`` so that a full tmpfs is an error, not a SIGBUS, stay
-    mapped: writing a version again is one copy)."""
-
-    def __init__(self, directory: str, token: str, server: str) -> None:
-        self.directory, self._token, self._server = directory, token.encode(), server
-        self._linked: list[_File] = []  # by version, oldest first
-        self._spare: list[_File] = []  # to write again
-        self._count = itertools.count()
-
-    def _path(self, name: str) -> str:
-        return os.path.join(self.directory, name)
-
-    def write(self, ref: EndpointRef, values: Mapping[str, np.ndarray]) -> str | None:
-        """Write version ``ref``; its file's name, None when it cannot be written (the
-        caller streams it)."""
-        digest = hmac.new(self._token, f"{self._server}:{ref.version}".encode(), hashlib.sha256)
-        name = self._path(f"{_PREFIX}{os.getpid()}-{digest.hexdigest()[:40]}")
-        offsets, size = _offsets(ref.layout)
-        try:
-            file = self._free(size)
-        except OSError:  # a full tmpfs: no file, the version is streamed
-            return None
-        file.mapped[:_HEADER] = _file_header(ref, size)
-        for (var, _dtype, _shape, nbytes), at in zip(ref.layout, offsets, strict=True):
-            raw = np.ascontiguousarray(values[var]).reshape(-1).view(np.uint8)
-            np.frombuffer(file.mapped, np.uint8, nbytes, at)[:] = raw
-        try:
-            fcntl.flock(file.fd, fcntl.LOCK_UN)
-            os.rename(file.path, name)
-        except OSError:
-            file.close()
-            return None
-        file.path = name
-        self._linked.append(file)
-        while len(self._linked) > _LINKED:
-            old = self._linked.pop(0)
-            spare = self._path(f"{_PREFIX}{os.getpid()}-spare-{next(self._count)}")
-            try:
-                os.rename(old.path, spare)
-            except OSError:
-                old.close()
-                continue
-            old.path = spare
-            self._spare.append(old)
-        while len(self._spare) > _SPARES:
-            self._spare.pop(0).close()
-        return os.path.basename(name)
-
-    def _free(self, size: int) -> _File:
-        """A file of ``size`` bytes no reader maps, locked exclusively: a spare, else a
-        new one."""
-        for i, file in enumerate(self._spare):
-            if len(file.mapped) != size:
-                continue
-            try:
-                fcntl.flock(file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # a reader maps it still
-            del self._spare[i]
-            return file
-        path = self._path(f"{_PREFIX}{os.getpid()}-new-{next(self._count)}")
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(path, flags, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            os.posix_fallocate(fd, 0, size)
-            return _File(path, fd, mmap.mmap(fd, size))
-        except OSError:
-            _unlink(path)
-            os.close(fd)
-            raise
-
-    def remove_all(self) -> None:
-        files, self._linked, self._spare = self._linked + self._spare, [], []
-        for file in files:
-            file.close()
-
-
-@dataclass
-class _File:
-    """One of the server's version files: its current path, descriptor and mapping."""
-
-    path: str
-    fd: int
-    mapped: mmap.mmap
-
-    def close(self) -> None:
-        _unlink(self.path)
-        self.mapped.close()
-        os.close(self.fd)
-
-
-def _map_version(directory: str, ref: EndpointRef) -> dict[str, np.ndarray] | None:
-    """Version ``ref`` mapped read-only from its file in ``directory``: None when this
-    process cannot use it (another host or container, another user, removed or written
-    again since), and then the caller streams it. The file is used only when it is a
-    regular file of this process's user that no one else may write or read, of the size
-    and header the layout says, locked (shared) for as long as the mapping lives."""
-    name = ref.shared
-    if name is None or os.path.basename(name) != name or not name.startswith(_PREFIX):
-        return None
-    _at, size = _offsets(ref.layout)
-    try:
-        fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        # the shared lock first: while held, the server does not write the file again
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        st = os.fstat(fd)
-        if (
-            not stat.S_ISREG(st.st_mode)
-            or st.st_uid != os.geteuid()
-            or st.st_mode & 0o077
-            or st.st_size != size
-        ):
-            raise ValueError("not the version's file")
-        mapped = mmap.mmap(fd, size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ)
-    except (OSError, ValueError):
-        os.close(fd)
-        return None
-    if mapped[:_HEADER] != _file_header(ref, size):
-        mapped.close()
-        os.close(fd)
-        return None
-    weakref.finalize(mapped, os.close, fd)  # the lock lasts as long as the mapping
-    return _views(mapped, ref)
-
-
-def _shared_dir() -> str | None:
-    d = SHARED_DIR
-    return d if os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK) else None
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _sweep(directory: str) -> None:
-    """Remove the version files of servers whose process is gone (killed outright)."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    me = os.geteuid()
-    for name in names:
-        if not name.startswith(_PREFIX):
-            continue
-        pid = name[len(_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            if os.lstat(path).st_uid == me:
-                os.unlink(path)
-        except OSError:
-            pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # another user's
-    return True
 
 
 def _piece(batch: pa.RecordBatch) -> np.ndarray:
@@ -681,7 +518,7 @@ class _VersionCache:
             with self._lock:
                 got = self._held.get(key)
             if got is None:
-                got = _map_version(SHARED_DIR, ref)
+                got = map_version(ref)
                 mapped = got is not None
                 if got is None:
                     got = fetch(ref)
@@ -782,6 +619,13 @@ def handshake(
             f"advertise=...), a firewall or NetworkPolicy, TLS on both sides or "
             f"neither), and that {running} is running"
         ) from None
+    except flight.FlightError as ex:
+        bad = token_problem(address.token)
+        said = (str(ex).splitlines() or [""])[0]
+        why = f"the token cannot be sent: {bad}" if bad is not None else said
+        raise EndpointError(
+            f"{what} at {where} failed this subtask's first call ({type(ex).__name__}): {why}"
+        ) from ex
     version, server_id = cloudpickle.loads(result.body.to_pybytes())
     if version != protocol:  # pragma: no cover - the middleware refuses first
         raise EndpointVersionMismatch(

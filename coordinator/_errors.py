@@ -14,12 +14,14 @@ from typing import Any
 __all__ = [
     "CallTimeout",
     "CheckpointCorrupt",
+    "CheckpointDamaged",
     "CheckpointEncodeError",
     "CheckpointError",
     "ConfigTypeError",
     "CoreError",
     "CutError",
     "EndpointAuthError",
+    "EndpointBindError",
     "EndpointError",
     "EndpointVersionMismatch",
     "FeedbackShapeMismatch",
@@ -71,6 +73,11 @@ class EndpointVersionMismatch(EndpointError):
     """The subtask and the coordinator endpoint speak different protocol versions."""
 
 
+class EndpointBindError(EndpointError):
+    """An endpoint's server cannot listen where it is told (the port is taken, the host
+    is not an address of its node, ...); the message names the cause found and the fix."""
+
+
 class CheckpointError(HybridIterError):
     """A checkpoint cannot be written, found, read or trusted."""
 
@@ -109,6 +116,12 @@ class SavedModelError(HybridIterError, ValueError):
     manifest lists is missing, truncated, altered, from another save or unparseable, a
     row count or a shape differs, a value is NaN or infinite; or a model holding such a
     value was asked to be saved. The message names the file, what differs and the fix."""
+
+
+class CheckpointDamaged(CheckpointCorrupt):
+    """A checkpoint or output file whose bytes changed after it was written (a flipped
+    or lost byte, a truncation): told apart from a file sealed with another key. The
+    message names the file, what is damaged and what to do."""
 
 
 class VariablesMismatchError(HybridIterError, ValueError):

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
 import storage_uri
 from coordinator import RuntimeHooks
+from coordinator._endpoint import token_problem
 
 from ._errors import IterationConfigError
 
-__all__ = ["CheckpointConfig", "EndpointConfig", "IterationConfig", "OperatorLifecycle"]
+__all__ = [
+    "CheckpointConfig",
+    "EndpointConfig",
+    "IterationConfig",
+    "OperatorLifecycle",
+    "check_token",
+]
 
 #: how subtasks reach their coordinator (``IterationConfig.transport``)
 TRANSPORTS = ("auto", "ray", "endpoint")
@@ -89,6 +97,12 @@ class CheckpointConfig:
             )
 
 
+#: a host of ``host:port``: a name, an IPv4 address or a bracketed IPv6 one (a zone too)
+_HOST = re.compile(
+    r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+(%[A-Za-z0-9._-]+)?\]|[0-9A-Fa-f:]*:[0-9A-Fa-f:.]*"
+)
+
+
 def _check_hostport(field: str, value: object, *, optional: bool) -> None:
     if value is None and optional:
         return
@@ -96,6 +110,24 @@ def _check_hostport(field: str, value: object, *, optional: bool) -> None:
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise IterationConfigError(
             f"{field} must be 'host:port' (port 0: any free port), got {value!r}"
+        )
+    if not _HOST.fullmatch(host):
+        raise IterationConfigError(
+            f"{field}: {host!r} is not a host name or an IP address (letters, digits, "
+            f"'.', '-', '_'; an IPv6 address in brackets: '[::1]:8815'), in {value!r}"
+        )
+
+
+def check_token(field: str, token: str) -> None:
+    """A token every endpoint call can carry; the message never shows the token."""
+    problem = token_problem(token)
+    if problem is not None:
+        newline = "U+000A" in problem or "U+000D" in problem
+        raise IterationConfigError(
+            f"{field} cannot be used: {problem}. Every call to the endpoint carries the "
+            f"token in its 'authorization' header; use printable ASCII, e.g. "
+            f"secrets.token_hex(32)"
+            + (" (a token read from a file: strip its newline)" if newline else "")
         )
 
 
@@ -117,18 +149,21 @@ class EndpointConfig:
       node's address, any free port). ``"0.0.0.0:8815"`` listens everywhere.
     * ``advertise``: ``host:port`` the executors dial (a Kubernetes Service, a load
       balancer); None: the bound host and port.
-    * ``token``: the shared secret every call carries; None: ``HYBRID_ITER_ENDPOINT_TOKEN``
-      of the driver's environment, else a random one made for each run. It travels to
-      the coordinator over Ray and to the subtasks in their task plan.
+    * ``token``: the shared secret every call carries (in gRPC metadata: printable
+      ASCII only); None: ``HYBRID_ITER_ENDPOINT_TOKEN`` of the driver's environment
+      (checked alike), else a random one made for each run. It travels to the
+      coordinator over Ray and to the subtasks in their task plan.
     * ``tls_cert``, ``tls_key``: PEM files of the server's certificate and key (both or
-      neither: TLS on); ``tls_root_certs``: what the subtasks verify the server's
-      certificate against (default: ``tls_cert``, a self-signed certificate).
+      neither: TLS on; the key not encrypted); ``tls_root_certs``: what the subtasks
+      verify the server's certificate against (default: ``tls_cert``, a self-signed
+      certificate). Their contents are checked on the driver when a run plans its
+      endpoint, before any job.
     * ``connect_timeout``: seconds a subtask's first call may take before the endpoint
       counts as unreachable.
     * ``shared_memory``: the coordinator also writes each large variables version once
-      to a file in ``/dev/shm`` (mode 0600), which the subtasks on its host, of its
-      user, map read-only instead of streaming it (as Ray's object store does); False:
-      every subtask process streams it.
+      to a sealed memory file of its process (mode 0600, its size fixed for good), which
+      the subtasks on its host, of its user, map read-only instead of streaming it (as
+      Ray's object store does); False: every subtask process streams it.
     """
 
     bind: str | None = None
@@ -149,6 +184,8 @@ class EndpointConfig:
         _check_hostport("EndpointConfig.advertise", self.advertise, optional=True)
         if self.token is not None and (not isinstance(self.token, str) or not self.token):
             raise IterationConfigError("EndpointConfig.token must be a non-empty string or None")
+        if self.token is not None:
+            check_token("EndpointConfig.token", self.token)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise IterationConfigError(
                 "EndpointConfig.tls_cert and tls_key go together: give both (TLS) or neither"

@@ -32,6 +32,8 @@ import them (``hybrid_iter``, ``hybrid_iter.ps``, ``hybrid_iter.cli``,
     │   └── TrainFailedError                 ``ps.train`` failed; ``params``: what the
     │                                        shards held when it stopped
     ├── SessionError (RuntimeError)          no session, or a session that cannot start
+    │   └── SessionStoppedError              a DataFrame of a stopped SparkSession, given
+    │                                        to an entry point (refused before any job)
     ├── StoredArraysLost (RuntimeError)      the array cache lost what a fit was to read
     │                                        (the fit reads from Spark instead)
     ├── UsageError (RuntimeError)            an API called where it cannot be
@@ -66,7 +68,10 @@ import them (``hybrid_iter``, ``hybrid_iter.ps``, ``hybrid_iter.cli``,
     │   │   │                                epoch, which operator's state); not retried
     │   │   └── UnpicklableOperator          an operator a checkpoint cannot pickle
     │   ├── CheckpointCorrupt (ValueError)   failed authentication, truncated, an older
-    │   │                                    container format
+    │   │   │                                container format, under another file's name
+    │   │   └── CheckpointDamaged            its bytes changed after it was written (a
+    │   │                                    damaged header or body, a truncation), told
+    │   │                                    apart from another key; says what to do
     │   ├── ForeignCheckpoint (ValueError)   of another run or another iteration
     │   ├── MissingCheckpoint (RuntimeError) a restore found less than was written
     │   └── OnlineCheckpointError            an online restart cannot restore every
@@ -85,6 +90,9 @@ import them (``hybrid_iter``, ``hybrid_iter.ps``, ``hybrid_iter.cli``,
     │   │                                    endpoint (unreachable, failed); names the
     │   │                                    address and the fix
     │   ├── EndpointAuthError                the endpoint refused the subtask's token
+    │   ├── EndpointBindError                an endpoint's server cannot listen where it
+    │   │                                    is told: the cause found (port taken, host
+    │   │                                    not of its node, ...) and the fix
     │   └── EndpointVersionMismatch          subtask and coordinator protocol versions
     │                                        differ
     └── RemoteFailure                        one failure of user code, with where, epoch
@@ -128,6 +136,7 @@ from coordinator._errors import (
     CheckpointError,
     ConfigTypeError,
     EndpointAuthError,
+    EndpointBindError,
     EndpointError,
     EndpointVersionMismatch,
     HybridIterError,
@@ -149,6 +158,7 @@ __all__ = [
     "ConvergenceWarning",
     "DataValidationError",
     "EndpointAuthError",
+    "EndpointBindError",
     "EndpointError",
     "EndpointVersionMismatch",
     "HybridIterError",
@@ -162,6 +172,7 @@ __all__ = [
     "RunStateError",
     "SavedModelError",
     "SessionError",
+    "SessionStoppedError",
     "ShardLost",
     "ShardsUnavailable",
     "SparkOpsError",
@@ -182,6 +193,12 @@ class DataValidationError(HybridIterError, ValueError):
 
 class SessionError(HybridIterError, RuntimeError):
     """No usable Spark + Ray session."""
+
+
+class SessionStoppedError(SessionError):
+    """A DataFrame whose SparkSession was stopped (the ``Session`` closed, or
+    ``spark.stop()``) was given to an entry point: no Spark job can read it. Start a new
+    session and read the data again with it."""
 
 
 class StoredArraysLost(HybridIterError, RuntimeError):
@@ -245,6 +262,44 @@ class WorkerDiedError(IterationFailedError):
         if exit_code is not None:
             how += f" (exit code {exit_code})"
         return f"the Spark Python worker running {who} died{how}; Spark said {report!r}"
+
+    @staticmethod
+    def advice(signal: str | None) -> str:
+        """What to do about a worker that died of ``signal`` (None: Spark did not say):
+        memory is advised only where memory can be the cause."""
+        if signal == "SIGBUS":
+            return (
+                "SIGBUS: it read memory mapped from a file that was cut short under it "
+                "(a file in /dev/shm, where Ray's object store also lives, truncated by "
+                "another process or a cleaner, or a full /dev/shm); more memory does not "
+                "help: find what truncates or fills files there, and read the executor's log"
+            )
+        if signal in ("SIGSEGV", "SIGILL", "SIGFPE", "SIGABRT"):
+            return (
+                f"{signal}: it crashed in native code (a C extension the operator calls, a "
+                f"library built for another CPU); more memory does not help: read the "
+                f"executor's log for the native trace"
+            )
+        if signal is None:
+            return (
+                "the process was killed (from outside, by the out-of-memory killer or a "
+                "container limit) or crashed in native code. If it recurs, give the "
+                "executors more memory (spark.executor.memory, "
+                "spark.executor.pyspark.memory), read the executor's log, and set "
+                "spark.python.worker.faulthandler.enabled=true for Spark to report the "
+                "signal of a crash"
+            )
+        if signal == "SIGKILL":
+            return (
+                "SIGKILL: it was killed from outside, by the out-of-memory killer or a "
+                "container limit. If it recurs, give the executors more memory "
+                "(spark.executor.memory, spark.executor.pyspark.memory) and read the "
+                "executor's log (and the node's kernel log for the out-of-memory killer)"
+            )
+        return (
+            f"{signal}: it was killed from outside (a scheduler preempting it, an "
+            f"operator); read the executor's log"
+        )
 
     def __reduce__(self):
         return (

@@ -666,3 +666,13 @@ def translate_converted_errors(translate: Callable[[Any], Any]) -> None:
     convert_exception._hybrid_iter_translation = True  # type: ignore[attr-defined]
     convert_exception.__wrapped__ = original  # type: ignore[attr-defined]
     captured.convert_exception = convert_exception
+
+
+def session_stopped(spark: Any) -> bool:
+    """Whether ``spark`` (a classic or a Spark Connect session) was stopped, so that its
+    DataFrames can run no job any more: a classic session's SparkContext lets go of the
+    JVM's context when stopped (``_jsc`` None), a Connect client says so itself."""
+    if is_connect(spark):
+        return bool(getattr(spark, "is_stopped", False))
+    sc = getattr(spark, "_sc", None)
+    return sc is not None and getattr(sc, "_jsc", None) is None

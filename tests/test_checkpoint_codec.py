@@ -289,12 +289,28 @@ def test_a_file_of_the_previous_container_format_is_refused_saying_why(tmp_path)
     store = CheckpointStore(str(tmp_path), key=KEY, run_id="r")
     store.save(4, {"w": np.array(1.0)}, [])
     path = tmp_path / "chk-0000000004.ckpt"
-    body = b"HICKPT2\n" + path.read_bytes()[len(_MAGIC) : -32]
+    blob = path.read_bytes()
+    header, pos = _header(blob, "x")
+    # format 2's header: the same fields, without the checksum format 3 added later
+    old = json.dumps({k: v for k, v in header.items() if k != "header_sha256"}).encode()
+    body = b"HICKPT2\n" + struct.pack("<I", len(old)) + old + blob[pos:-32]
     path.write_bytes(body + hmac.new(KEY, body, hashlib.sha256).digest())
     loaded = store.load_latest()
     assert loaded.epoch == -1
     why = loaded.skipped[0][1]
     assert "container format 2" in why and "shape (1,)" in why and "empty directory" in why
+
+
+def test_a_format_byte_flipped_to_another_version_is_damage_not_another_version(tmp_path):
+    """'3' and '2' differ in one bit: a file whose header reads as this format's is damaged."""
+    store = CheckpointStore(str(tmp_path), key=KEY, run_id="r")
+    store.save(4, {"w": np.array(1.0)}, [])
+    path = tmp_path / "chk-0000000004.ckpt"
+    blob = bytearray(path.read_bytes())
+    blob[6] ^= 1  # "HICKPT3" -> "HICKPT2"
+    path.write_bytes(bytes(blob))
+    why = store.load_latest().skipped[0][1]
+    assert "damaged" in why and "format byte reads '2'" in why and "another" not in why
 
 
 # -- what cannot be encoded is named --------------------------------------------------------

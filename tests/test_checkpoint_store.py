@@ -14,8 +14,11 @@ from pathlib import Path
 import cloudpickle
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordinator import (
+    CheckpointDamaged,
     CheckpointSpec,
     CheckpointStore,
     CoordinatorSpec,
@@ -108,6 +111,75 @@ def test_a_file_written_with_another_key_names_the_key(tmp_path):
     loaded = CheckpointStore(str(tmp_path), key=b"x" * 32, run_id="r1").load_latest()
     assert loaded.epoch == -1
     assert "written with another key" in loaded.skipped[0][1] and KEY_ENV in loaded.skipped[0][1]
+
+
+def _flip(path: Path, at: int, mask: int) -> None:
+    blob = bytearray(path.read_bytes())
+    blob[at] ^= mask
+    path.write_bytes(bytes(blob))
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_any_changed_header_byte_is_reported_as_damage_not_as_another_key(tmp_path_factory, data):
+    """Whatever byte of the magic, the length or the JSON header changed, the file is
+    named damaged (with what to do), never "written with another key", and the newest
+    intact checkpoint is taken instead."""
+    directory = tmp_path_factory.mktemp("flip")
+    store = CheckpointStore(str(directory), key=KEY, run_id="r", keep_last=3)
+    store.save(1, {"w": np.arange(3.0)}, [])
+    store.save(2, {"w": np.arange(3.0) + 1}, [])
+    path = directory / "chk-0000000002.ckpt"
+    (length,) = struct.unpack("<I", path.read_bytes()[len(_MAGIC) : len(_MAGIC) + 4])
+    at = data.draw(st.integers(0, len(_MAGIC) + 4 + length - 1), label="byte")
+    _flip(path, at, data.draw(st.integers(1, 255), label="xor"))
+    loaded = store.load_latest()
+    assert loaded.epoch == 1 and loaded.data["w"].tolist() == [0.0, 1.0, 2.0]
+    ((where, why),) = loaded.skipped
+    assert where.endswith("chk-0000000002.ckpt")
+    assert "damaged" in why and "another key" not in why and "delete this file" in why, why
+    with pytest.raises(CheckpointDamaged):
+        store._read(path.name, "checkpoint", 2)
+
+
+def test_an_older_header_without_checksum_whose_key_field_was_damaged_is_damage(tmp_path):
+    """The case reported as "written with another key (key id None)": a header of a file
+    written before headers carried a checksum, its "key_id" field name changed."""
+    import hmac
+
+    store = CheckpointStore(str(tmp_path), key=KEY, run_id="r")
+    store.save(3, {"a": 1}, [])
+    path = tmp_path / "chk-0000000003.ckpt"
+    blob = path.read_bytes()
+    (length,) = struct.unpack("<I", blob[len(_MAGIC) : len(_MAGIC) + 4])
+    start = len(_MAGIC) + 4
+    fields = json.loads(blob[start : start + length])
+    del fields["header_sha256"]
+    old = json.dumps(fields).encode()
+    body = _MAGIC + struct.pack("<I", len(old)) + old + blob[start + length : -32]
+    path.write_bytes(body + hmac.new(KEY, body, hashlib.sha256).digest())
+    assert store.load_latest().epoch == 3  # such a file still loads
+    path.write_bytes(path.read_bytes().replace(b'"key_id"', b'"kay_id"'))
+    why = store.load_latest().skipped[0][1]
+    assert "damaged" in why and "'kay_id'" in why and "another key" not in why
+
+
+def test_a_file_under_another_files_name_is_refused(tmp_path):
+    """An authentic checkpoint copied over (or renamed to) another epoch's name, or an
+    output segment under a checkpoint's name, is not restored as that epoch."""
+    store = CheckpointStore(str(tmp_path), key=KEY, run_id="r", keep_last=5)
+    store.save(1, {"e": 1}, ["out-of-1"])
+    store.save(2, {"e": 2}, [])
+    (tmp_path / "chk-0000000003.ckpt").write_bytes((tmp_path / "chk-0000000001.ckpt").read_bytes())
+    (tmp_path / "chk-0000000004.ckpt").write_bytes((tmp_path / "out-0000000001.pkl").read_bytes())
+    loaded = store.load_latest()
+    assert loaded.epoch == 2 and loaded.data == {"e": 2}
+    why = dict(loaded.skipped)
+    assert (
+        "the checkpoint of epoch 1, not what its name says"
+        in why[f"{tmp_path}/chk-0000000003.ckpt"]
+    )
+    assert "the outputs of epoch 1" in why[f"{tmp_path}/chk-0000000004.ckpt"]
 
 
 def test_the_key_comes_from_the_environment_or_a_private_key_file(tmp_path, monkeypatch):

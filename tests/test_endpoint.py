@@ -16,6 +16,7 @@ import datetime
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,6 +31,7 @@ from ops import GradientDescent, LinRegPartition, Recorder, RecordingCoordinator
 from test_recovery import CopyingGrad, CountingGrad, _kill_when_written
 
 import coordinator._endpoint as endpoint
+import coordinator._shared_versions as shared_versions
 import hybrid_iter as hi
 from coordinator import CoordinatorSpec, IterationCoordinator
 from coordinator._endpoint import (
@@ -210,6 +212,92 @@ def test_large_variables_reach_every_subtask_alike_read_only_and_streamed_once(s
     assert ep.variables["big"].tobytes() == ray.variables["big"].tobytes()
 
 
+class SumsBig(hi.PartitionOperator):
+    """Keeps the newest large version and reads all of it at every watermark: the pages
+    a mapping of a file cut short would fault on."""
+
+    def open(self, ctx):
+        self.big = None
+
+    def process_data(self, stream, batch, ctx, out):
+        pass
+
+    def process_variables(self, variables, ctx, out):
+        self.big = variables["big"]
+
+    def on_epoch_watermark_incremented(self, epoch, ctx, out):
+        out.output("sum", (ctx.partition_id, epoch, float(self.big.sum())))
+        out.feedback(1)
+
+
+def _tamper_when_paused(directory, tried: dict) -> threading.Thread:
+    """From outside the paused Spark worker, as a cleaner of ``/dev/shm`` or another
+    process of the user would: overwrite, then truncate, every variables file the worker
+    holds open; record each attempt's outcome (errno or "done"), then release it."""
+
+    def target() -> None:
+        marker = directory / "pid-0"
+        deadline = time.monotonic() + 240
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # polls a file the worker writes, bounded
+        pid = int(marker.read_text())
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            path = f"/proc/{pid}/fd/{fd}"
+            try:
+                if "hi-vars-" not in os.readlink(path):
+                    continue
+            except OSError:
+                continue
+
+            def overwrite(path=path):
+                with open(path, "r+b") as f:
+                    f.seek(4096)
+                    f.write(b"\0" * 4096)
+
+            for what, act in (("write", overwrite), ("truncate", lambda p=path: os.truncate(p, 0))):
+                try:
+                    act()
+                    tried[(fd, what)] = "done"
+                except OSError as ex:
+                    tried[(fd, what)] = ex.errno
+        (directory / "release-0").write_text("")
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_version_file_cannot_be_cut_short_or_changed_under_its_reader(spark, tmp_path):
+    """A file in /dev/shm that is truncated under a mapping kills its reader with
+    SIGBUS on the next access, and one overwritten changes the reader's variables; the
+    sealed memory file refuses both, for anyone, so the run ends with the right values."""
+    import errno
+
+    from hybrid_iter.testing import PauseWorker
+
+    df = spark.range(20, numPartitions=2)
+    init = {"big": np.arange(BIG, dtype=np.float64), "m": np.zeros((3, 5), np.int32), "s": 0.0}
+    tried: dict = {}
+    tamper = _tamper_when_paused(tmp_path, tried)
+    try:
+        result = _iterate(
+            init,
+            df,
+            hi.IterationBody(SumsBig(), PublishesBig()),
+            parallelism=2,
+            max_epochs=4,
+            transport="endpoint",
+            hooks=PauseWorker(directory=str(tmp_path), partition=0, at_epoch=2),
+        )
+    finally:
+        tamper.join(300)
+    assert tried, "the paused worker mapped no variables file"
+    assert set(tried.values()) == {errno.EPERM}, tried
+    base = float(np.arange(BIG, dtype=np.float64).sum())
+    sums = sorted(result.outputs["sum"])
+    assert sums == sorted((p, e, base + e * BIG) for p in range(2) for e in range(4))
+
+
 @pytest.fixture(scope="module")
 def ck_df(spark):
     from checkpoint_job import data
@@ -312,6 +400,192 @@ def test_bad_endpoint_settings_are_refused_before_any_job(tmp_path):
         hi.IterationConfig(endpoint={"bind": "127.0.0.1:0"})
     with pytest.raises(hi.IterationConfigError, match="shared_memory must be True or False"):
         hi.EndpointConfig(shared_memory="yes")
+
+
+def _no_job_may_run(spark):
+    """A DataFrame whose rows fail if any Spark job reads them: a refusal raised with it
+    came before any job."""
+
+    def boom(batches):
+        raise RuntimeError("a Spark job ran")
+        yield  # pragma: no cover
+
+    return spark.range(4, numPartitions=2).mapInArrow(boom, "id long")
+
+
+@pytest.mark.parametrize(
+    ("token", "position", "code"),
+    [
+        ("Zq9s3cret\nvalue", 10, "U+000A"),
+        ("Zq9p\u00e4ssword", 5, "U+00E4"),
+        ("Zq9tab\there", 7, "U+0009"),
+        ("Zq9token\x7f", 9, "U+007F"),
+    ],
+)
+def test_a_token_grpc_cannot_carry_is_refused_naming_the_character_not_the_token(
+    token, position, code
+):
+    with pytest.raises(hi.IterationConfigError) as info:
+        hi.EndpointConfig(token=token)
+    text = str(info.value)
+    assert "EndpointConfig.token" in text and f"character {position} of {len(token)}" in text
+    assert code in text and "printable ASCII" in text and "token_hex" in text
+    assert "Zq9" not in text  # nothing of the secret
+
+
+def test_the_token_rule_is_the_one_grpc_applies():
+    """What the config accepts the endpoint carries (spaces and '~' included); what it
+    refuses, a subtask's first call fails on, named, not as a raw Flight error."""
+    for token in (" lead", "trail ", "a b~c", secrets_token()):
+        hi.EndpointConfig(token=token)
+        with _served(EndpointSpec(bind="127.0.0.1:0", token=token), size=10) as (_c, location):
+            FlightLink(EndpointAddress(location, token, connect_timeout=10)).close()
+    with _served(EndpointSpec(bind="127.0.0.1:0", token="right"), size=10) as (_c, location):
+        with pytest.raises(
+            hi.EndpointError, match=r"token cannot be sent: its character 2 of 3 is U\+000A"
+        ):
+            FlightLink(EndpointAddress(location, "a\nb", connect_timeout=10))
+
+
+def secrets_token() -> str:
+    import secrets
+
+    return secrets.token_hex(32)
+
+
+def test_a_bad_token_in_the_environment_variable_is_refused_before_any_job(spark, monkeypatch):
+    from hybrid_iter._runtime.endpoint import TOKEN_ENV
+
+    monkeypatch.setenv(TOKEN_ENV, "s3cr\u00e9t-from-a-secret\n")  # the newline is stripped
+    with pytest.raises(hi.IterationConfigError) as info:
+        _iterate(
+            {"version": 0},
+            _no_job_may_run(spark),
+            hi.IterationBody(Recorder(), RecordingCoordinator()),
+            parallelism=2,
+            max_epochs=2,
+            transport="endpoint",
+        )
+    text = str(info.value)
+    assert f"the environment variable {TOKEN_ENV}" in text
+    assert "character 5 of 20 is U+00E9 (not ASCII)" in text and "s3cr" not in text
+
+
+def _pem_files(tmp_path):
+    """The files a TLS setup can get wrong, on disk."""
+    from cryptography.hazmat.primitives import serialization
+
+    cert, key = _self_signed(tmp_path)
+    _other_cert, other_key = _self_signed(tmp_path)
+    k = serialization.load_pem_private_key(key, None)
+    files = {
+        "cert.pem": cert,
+        "key.pem": key,
+        "other-key.pem": other_key,
+        "key.der": k.private_bytes(
+            serialization.Encoding.DER,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ),
+        "key-encrypted.pem": k.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"passphrase"),
+        ),
+        "notes.txt": b"the certificate is on the wiki\n",
+        "broken.pem": b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("cert", "key", "roots", "named", "says"),
+    [
+        ("notes.txt", "key.pem", None, "tls_cert", "text without a PEM block"),
+        ("key.pem", "cert.pem", None, "tls_cert", "tls_cert and tls_key swapped"),
+        ("broken.pem", "key.pem", None, "tls_cert", "not a readable certificate"),
+        ("cert.pem", "key.der", None, "tls_key", "binary (DER?): convert it to PEM (openssl pkey"),
+        ("cert.pem", "key-encrypted.pem", None, "tls_key", "encrypted private key"),
+        ("cert.pem", "other-key.pem", None, "tls_key", "is not the private key of the certificate"),
+        ("cert.pem", "key.pem", "key.pem", "tls_root_certs", "PEM of something else (PRIVATE KEY)"),
+    ],
+)
+def test_tls_files_that_are_not_pem_are_refused_naming_the_file(
+    tmp_path, cert, key, roots, named, says
+):
+    from hybrid_iter._runtime.endpoint import EndpointPlan
+
+    d = _pem_files(tmp_path)
+    tls = hi.EndpointConfig(
+        tls_cert=str(d / cert),
+        tls_key=str(d / key),
+        tls_root_certs=str(d / roots) if roots else None,
+    )
+    with pytest.raises(hi.IterationConfigError) as info:
+        EndpointPlan.of(hi.IterationConfig(transport="endpoint", endpoint=tls), None)
+    text = str(info.value)
+    given = {"tls_cert": cert, "tls_key": key, "tls_root_certs": roots}[named]
+    assert f"EndpointConfig.{named} {str(d / given)!r}" in text and says in text
+    assert "port" not in text
+
+
+def test_a_tls_key_that_is_not_pem_fails_the_run_before_any_job_not_as_a_bind_failure(
+    spark, tmp_path
+):
+    d = _pem_files(tmp_path)
+    with pytest.raises(hi.IterationConfigError) as info:
+        _iterate(
+            {"version": 0},
+            _no_job_may_run(spark),
+            hi.IterationBody(Recorder(), RecordingCoordinator()),
+            parallelism=2,
+            max_epochs=2,
+            transport="endpoint",
+            endpoint=hi.EndpointConfig(tls_cert=str(d / "cert.pem"), tls_key=str(d / "key.der")),
+        )
+    assert "EndpointConfig.tls_key" in str(info.value) and "free port" not in str(info.value)
+
+
+def test_a_taken_port_fails_the_run_naming_the_port_with_the_cause_chained(spark):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(hi.SessionError) as info:
+            _iterate(
+                {"version": 0},
+                spark.range(4, numPartitions=2),
+                hi.IterationBody(Recorder(), RecordingCoordinator()),
+                parallelism=2,
+                max_epochs=2,
+                transport="endpoint",
+                endpoint=hi.EndpointConfig(bind=f"127.0.0.1:{port}"),
+            )
+    text = str(info.value)
+    assert f"on 127.0.0.1:{port}" in text and f"port {port} is in use" in text
+    assert isinstance(info.value.__cause__, hi.EndpointBindError)
+
+
+def test_a_server_that_does_not_start_names_the_cause_it_finds_not_the_port():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(hi.EndpointBindError, match=f"port {port} is in use there"):
+            endpoint.FlightServing(EndpointSpec(bind=f"127.0.0.1:{port}", token="t"))
+    with pytest.raises(hi.EndpointBindError, match="is not an address of the node"):
+        endpoint.FlightServing(EndpointSpec(bind="192.0.2.1:0", token="t"))  # TEST-NET-1
+    with pytest.raises(hi.EndpointBindError, match="does not resolve") as info:
+        endpoint.FlightServing(EndpointSpec(bind="no-such-host.invalid:0", token="t"))
+    # bytes gRPC refuses as a certificate (the driver checks the files first)
+    garbage = EndpointSpec(bind="127.0.0.1:0", token="t", tls_cert=b"x", tls_key=b"y")
+    with pytest.raises(hi.EndpointBindError) as info:
+        endpoint.FlightServing(garbage)
+    text = str(info.value)
+    assert "the cause is not the port" in text and "TLS certificate or key" in text
+    assert "free port" not in text and info.value.__cause__ is not None
 
 
 # -- the endpoint against the real coordinator in this process (no Ray) -------------------
@@ -433,7 +707,7 @@ def test_a_full_shared_memory_streams_the_versions_instead(monkeypatch):
     def full(fd, offset, size):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(endpoint.os, "posix_fallocate", full)
+    monkeypatch.setattr(shared_versions.os, "posix_fallocate", full)
     spec = EndpointSpec(bind="127.0.0.1:0", token="t")
     with _served(spec) as (coord, location):
         fetched, mapped = VERSIONS.fetched, VERSIONS.mapped
@@ -447,8 +721,16 @@ def test_a_full_shared_memory_streams_the_versions_instead(monkeypatch):
     assert reads == sorted((e, float(e) * 50_000) for e in range(EPOCHS) for _ in range(N))
 
 
-def _files_of(pid: int) -> set[str]:
-    return {n for n in os.listdir(endpoint.SHARED_DIR) if n.startswith(f"hi-vars-{pid}-")}
+def _files_of(pid: int) -> set[int]:
+    """The version files (inodes) the server of process ``pid`` holds: open for writing
+    (a reader's are open read-only)."""
+    held = set()
+    for fd in shared_versions.files_of(pid):
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
+        if flags & os.O_ACCMODE == os.O_RDWR:
+            held.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+    return held
 
 
 def test_a_wrong_token_is_refused_naming_the_address_and_the_fix():
@@ -629,15 +911,14 @@ def _ref(values, version: int = 1, server: str = "s" * 32) -> endpoint.EndpointR
 
 @settings(max_examples=40, deadline=None)
 @given(arrays=ARRAYS)
-def test_a_version_file_maps_back_bit_for_bit_read_only(tmp_path_factory, arrays):
-    directory = str(tmp_path_factory.mktemp("shm"))
-    files = endpoint._SharedFiles(directory, "token", "s" * 32)
+def test_a_version_file_maps_back_bit_for_bit_read_only(arrays):
+    files = shared_versions.SharedFiles("s" * 32)
     values = _variables(arrays)
     ref = _ref(values)
-    name = files.write(ref, values)
-    assert name is not None
-    ref = dataclasses.replace(ref, shared=name)
-    got = endpoint._map_version(directory, ref)
+    where = files.write(ref, values)
+    assert where is not None
+    ref = dataclasses.replace(ref, shared=where)
+    got = shared_versions.map_version(ref)
     assert got is not None and list(got) == list(values)
     for n, arr in values.items():
         back = got[n]
@@ -645,82 +926,103 @@ def test_a_version_file_maps_back_bit_for_bit_read_only(tmp_path_factory, arrays
         assert back.tobytes() == arr.tobytes()
         assert not back.flags.writeable
         assert back.ctypes.data % back.dtype.alignment == 0
-    assert os.stat(os.path.join(directory, name)).st_mode & 0o777 == 0o600
+    assert os.stat(_proc(where)).st_mode & 0o777 == 0o600
     files.remove_all()
-    assert not os.listdir(directory)
+    assert not _files_of(os.getpid())  # closed (a reader's mapping keeps only its memory)
 
 
-def test_a_version_a_reader_maps_is_never_written_over(tmp_path):
+def _proc(where: str) -> str:
+    pid, fd = where.split("/")
+    return f"/proc/{pid}/fd/{fd}"
+
+
+def test_a_version_a_reader_maps_is_never_written_over():
     """Newer versions go to other files while a reader maps an old one; once it lets go,
     its file is written again (no new memory per version)."""
-    directory = str(tmp_path)
-    files = endpoint._SharedFiles(directory, "token", "s" * 32)
+    files = shared_versions.SharedFiles("s" * 32)
 
     def publish(version):
         values = {"w": np.full(1000, float(version)), "k": np.int64(version)}
         ref = _ref(values, version)
         return dataclasses.replace(ref, shared=files.write(ref, values))
 
-    held = endpoint._map_version(directory, publish(1))
+    held = shared_versions.map_version(publish(1))
     assert held is not None
     created = set()
     for version in range(2, 12):
         ref = publish(version)
-        created |= {os.stat(os.path.join(directory, n)).st_ino for n in os.listdir(directory)}
-        got = endpoint._map_version(directory, ref)
+        created |= _files_of(os.getpid())
+        got = shared_versions.map_version(ref)
         assert got is not None and float(got["w"][0]) == version and int(got["k"]) == version
         del got
     assert held["w"].tobytes() == np.full(1000, 1.0).tobytes() and int(held["k"]) == 1
     # a bounded set of files written again, not one per version
-    assert len(os.listdir(directory)) <= endpoint._LINKED + endpoint._SPARES
-    assert len(created) <= endpoint._LINKED + endpoint._SPARES + 1
-    # an old version's name no longer opens (it is streamed instead)
-    assert endpoint._map_version(directory, publish(12)) is not None
-    assert endpoint._map_version(directory, dataclasses.replace(ref, version=3)) is None
+    assert len(_files_of(os.getpid())) <= shared_versions.LINKED + shared_versions.SPARES
+    assert len(created) <= shared_versions.LINKED + shared_versions.SPARES + 1
+    # a version whose file was written again since is not mapped (it is streamed instead)
+    assert shared_versions.map_version(publish(12)) is not None
+    assert shared_versions.map_version(dataclasses.replace(ref, version=3)) is None
     files.remove_all()
 
 
 def test_a_file_that_is_not_the_versions_own_is_not_mapped(tmp_path):
-    directory = str(tmp_path)
-    files = endpoint._SharedFiles(directory, "token", "s" * 32)
+    files = shared_versions.SharedFiles("s" * 32)
     values = {"w": np.arange(100.0)}
     ref = _ref(values, 7)
     ref = dataclasses.replace(ref, shared=files.write(ref, values))
-    path = os.path.join(directory, ref.shared)
-    assert endpoint._map_version(directory, ref) is not None
-    # another version's or another server's header, another size, a path, a link
-    assert endpoint._map_version(directory, dataclasses.replace(ref, version=8)) is None
-    assert endpoint._map_version(directory, dataclasses.replace(ref, server="t" * 32)) is None
+    assert shared_versions.map_version(ref) is not None
+    # another version's or another server's header, another size, not a location
+    assert shared_versions.map_version(dataclasses.replace(ref, version=8)) is None
+    assert shared_versions.map_version(dataclasses.replace(ref, server="t" * 32)) is None
     wider = (("w", "<f8", (200,), 1600),)
-    assert endpoint._map_version(directory, dataclasses.replace(ref, layout=wider)) is None
-    assert endpoint._map_version(directory, dataclasses.replace(ref, shared="../x")) is None
-    link = "hi-vars-1-link"
-    os.symlink(path, os.path.join(directory, link))
-    assert endpoint._map_version(directory, dataclasses.replace(ref, shared=link)) is None
+    assert shared_versions.map_version(dataclasses.replace(ref, layout=wider)) is None
+    for where in ("../x", "1/x", f"{os.getpid()}/-1", ""):
+        assert shared_versions.map_version(dataclasses.replace(ref, shared=where)) is None
+    # a regular file of the same size and header, or a pipe, under that number: not a
+    # memfd of the server
+    path = tmp_path / "copy"
+    path.write_bytes(os.pread(int(ref.shared.split("/")[1]), 2048, 0))
+    with open(path, "rb") as f:
+        assert (
+            shared_versions.map_version(
+                dataclasses.replace(ref, shared=f"{os.getpid()}/{f.fileno()}")
+            )
+            is None
+        )
+    r, w = os.pipe()
+    try:
+        assert (
+            shared_versions.map_version(dataclasses.replace(ref, shared=f"{os.getpid()}/{r}"))
+            is None
+        )
+    finally:
+        os.close(r)
+        os.close(w)
     # readable by others: not trusted
-    os.chmod(path, 0o644)
-    assert endpoint._map_version(directory, ref) is None
+    os.chmod(_proc(ref.shared), 0o644)
+    assert shared_versions.map_version(ref) is None
     files.remove_all()
 
 
-def test_files_of_a_killed_coordinator_are_removed_by_the_next_one(tmp_path, monkeypatch):
-    import subprocess
-    import sys
+def test_an_unsealed_memory_file_is_not_mapped():
+    """A reader maps only a file whose size can never change under its mapping."""
+    import mmap
 
-    gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    dead = int(gone.stdout)
-    monkeypatch.setattr(endpoint, "SHARED_DIR", str(tmp_path))
-    left = tmp_path / f"hi-vars-{dead}-abc"
-    left.write_bytes(b"x")
-    alive = tmp_path / f"hi-vars-{os.getppid()}-abc"
-    alive.write_bytes(b"x")
-    with _served(EndpointSpec(bind="127.0.0.1:0", token="t"), size=10):
-        assert not left.exists() and alive.exists()
+    values = {"w": np.arange(100.0)}
+    ref = _ref(values, 3)
+    _at, size = shared_versions.offsets(ref.layout)
+    fd = os.memfd_create(f"hi-vars-{ref.server}", os.MFD_CLOEXEC)
+    try:
+        os.fchmod(fd, 0o600)
+        os.posix_fallocate(fd, 0, size)
+        with mmap.mmap(fd, size) as m:
+            m[: shared_versions._HEADER] = shared_versions._file_header(ref, size)
+        assert (
+            shared_versions.map_version(dataclasses.replace(ref, shared=f"{os.getpid()}/{fd}"))
+            is None
+        )
+    finally:
+        os.close(fd)
 
 
 def test_an_endpoint_coordinator_puts_nothing_into_the_object_store():

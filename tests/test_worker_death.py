@@ -163,6 +163,38 @@ def test_a_dead_python_worker_is_recognised_in_what_spark_reports(text, expected
     assert python_worker_death(text) == expected
 
 
+@pytest.mark.parametrize(
+    ("fatal", "says"),
+    [
+        ("Bus error", "SIGBUS: it read memory mapped from a file that was cut short"),
+        ("Segmentation fault", "SIGSEGV: it crashed in native code"),
+        ("Aborted", "SIGABRT: it crashed in native code"),
+    ],
+)
+def test_a_worker_dead_of_a_fault_signal_is_not_advised_more_memory(fatal, says):
+    from hybrid_iter._runtime.iterate import _worker_died
+
+    text = _BARRIER.format(p=1, reason=f"{_CRASHED}: Fatal Python error: {fatal}") + _DRIVER
+    err = _worker_died(RuntimeError(text))
+    assert err is not None and err.partition == 1
+    assert says in err.message and "more memory does not help" in err.message
+    assert "spark.executor.memory" not in err.message
+
+
+def test_a_worker_killed_or_dead_of_an_unknown_cause_is_advised_memory_and_how_to_know():
+    from hybrid_iter._runtime.iterate import _worker_died
+
+    unknown = _worker_died(RuntimeError(_BARRIER.format(p=0, reason=_CRASHED_4) + _DRIVER))
+    assert unknown is not None and unknown.signal is None
+    assert "spark.executor.memory" in unknown.message
+    assert "spark.python.worker.faulthandler.enabled=true" in unknown.message
+    killed = _worker_died(
+        RuntimeError(_BARRIER.format(p=0, reason=f"{_CRASHED}: killed by SIGKILL") + _DRIVER)
+    )
+    assert killed is not None and killed.signal == "SIGKILL"
+    assert "out-of-memory killer" in killed.message and "spark.executor.memory" in killed.message
+
+
 # -- from outside: the handshake and the kill -------------------------------------------------
 
 
@@ -184,10 +216,10 @@ def _is_our_python_worker(pid: int) -> bool:
 
 class Killer:
     """A thread that waits for ``kills`` paused workers in ``directory`` (their pid
-    files, one per launch) and SIGKILLs each from outside."""
+    files, one per launch) and SIGKILLs each from outside (or sends ``sig``)."""
 
-    def __init__(self, directory: Path, kills: int) -> None:
-        self.directory, self.kills = directory, kills
+    def __init__(self, directory: Path, kills: int, sig: int = signal.SIGKILL) -> None:
+        self.directory, self.kills, self.sig = directory, kills, sig
         self.killed: list[int] = []
         self.errors: list[BaseException] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -203,7 +235,7 @@ class Killer:
                     time.sleep(0.02)
                 pid = int(path.read_text())
                 assert _is_our_python_worker(pid), pid
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, self.sig)
                 self.killed.append(pid)
         except BaseException as ex:
             self.errors.append(ex)
@@ -297,6 +329,41 @@ def test_a_worker_killed_on_every_launch_fails_naming_the_partition(data, tmp_pa
     assert any("collectToPython" in str(c) or "Job aborted" in str(c) for c in causes)
     assert isinstance(err, hi.IterationFailedError) and isinstance(err, hi.HybridIterError)
     assert list(err.failures) == [1]
+
+
+@pytest.mark.timeout(900)
+def test_a_worker_dead_of_sigbus_names_the_signal_and_no_memory_advice(spark, data, tmp_path):
+    """SIGBUS, sent from outside to the paused worker of a plain iteration (no relaunch),
+    with Spark told to report a crash's signal (faulthandler): the error names it and
+    advises about a mapped file cut short, not memory."""
+    from ops import Recorder, RecordingCoordinator
+
+    key = "spark.sql.execution.pyspark.udf.faulthandler.enabled"
+    before = spark.conf.get(key, None)
+    spark.conf.set(key, "true")
+    try:
+        with Killer(tmp_path, kills=1, sig=signal.SIGBUS) as killer:
+            with pytest.raises(hi.WorkerDiedError) as info:
+                hi.iterate_bounded_streams_until_termination(
+                    {"version": 0},
+                    hi.ReplayableDataStreamList.not_replay(data),
+                    hi.IterationConfig(
+                        max_epochs=4,
+                        parallelism=2,
+                        hooks=PauseWorker(directory=str(tmp_path), partition=1, at_epoch=2),
+                    ),
+                    hi.IterationBody(Recorder(), RecordingCoordinator()),
+                )
+    finally:
+        if before is None:
+            spark.conf.unset(key)
+        else:
+            spark.conf.set(key, before)
+    assert len(killer.killed) == 1
+    err = info.value
+    assert err.partition == 1 and err.signal == "SIGBUS", err.spark_message[-2000:]
+    assert "cut short" in err.message and "more memory does not help" in err.message
+    assert "spark.executor.memory" not in err.message
 
 
 @pytest.mark.timeout(600)

@@ -1,7 +1,8 @@
 """The argument checks both entry points make before any job starts: not inside an
 operator (no nested iterations), a real ``IterationBody``, a non-empty
-``ReplayableDataStreamList`` (not a bare DataFrame), and initial variables that are
-numeric and finite. Once its checks pass, ``check_entry`` also tells the session's
+``ReplayableDataStreamList`` (not a bare DataFrame) of DataFrames whose SparkSession is
+not stopped (``refuse_stopped_session``, which ``hybrid_iter.ml`` and ``ps.train`` call
+on their DataFrames too), and initial variables that are numeric and finite. Once its checks pass, ``check_entry`` also tells the session's
 background warm-up that Spark tasks of a run are coming (``Session._runs_coming``). It is
 the shared part; the bounded entry
 (``iterate._validate``) adds its own checks after it, ``check_online_entry`` adds the
@@ -16,10 +17,16 @@ from coordinator import normalize_variables
 from coordinator._finite import check_finite_variables
 
 from .._body import IterationBody
-from .._errors import IterationConfigError
+from .._errors import IterationConfigError, SessionStoppedError
 from .._streams import DataStream, ReplayableDataStreamList, _is_dataframe
 
-__all__ = ["check_entry", "check_online_entry", "refuse_nested", "runs_coming"]
+__all__ = [
+    "check_entry",
+    "check_online_entry",
+    "refuse_nested",
+    "refuse_stopped_session",
+    "runs_coming",
+]
 
 
 def refuse_nested() -> None:
@@ -74,9 +81,27 @@ def check_entry(
             f"{'streaming ' if streaming else ''}DataFrame: "
             f"ReplayableDataStreamList.not_replay({df})"
         )
+    for i, frame in enumerate(data_streams.dataframes):
+        refuse_stopped_session(frame, f"data stream {i}")
     variables = check_init_variables(init_variables)
     runs_coming()
     return variables, data_streams
+
+
+def refuse_stopped_session(df: Any, what: str) -> None:
+    """``SessionStoppedError`` when DataFrame ``df`` (``what`` names it) belongs to a
+    SparkSession that was stopped: no job can read it, and PySpark would fail deep in
+    its own code (``'NoneType' object has no attribute 'sc'``)."""
+    from spark_ops._spark_compat import session_stopped
+
+    if session_stopped(df.sparkSession):
+        raise SessionStoppedError(
+            f"{what} is a DataFrame of a SparkSession that was stopped (its "
+            f"hybrid_iter.Session was closed, or spark.stop() was called), so no Spark job "
+            f"can read it: start a new session (hybrid_iter.Session.local(), or a new "
+            f"SparkSession) and read the data again with it; a DataFrame cannot move to "
+            f"another session"
+        )
 
 
 def runs_coming() -> None:

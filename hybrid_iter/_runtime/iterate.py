@@ -165,11 +165,9 @@ def _worker_died(error: BaseException) -> WorkerDiedError | None:
         return None
     what = WorkerDiedError.describe(death.partition, death.signal, death.exit_code, death.report)
     message = (
-        f"the iteration failed: {what}. No Python exception was raised: the process was "
-        f"killed (from outside, by the out-of-memory killer or a container limit) or "
-        f"crashed in native code. If it recurs, give the executors more memory "
-        f"(spark.executor.memory, spark.executor.pyspark.memory) and read the executor's "
-        f"log; Spark's full report is the error's spark_message"
+        f"the iteration failed: {what}. No Python exception was raised: "
+        f"{WorkerDiedError.advice(death.signal)}; Spark's full report is the error's "
+        f"spark_message"
     )
     failures: dict[int | str, BaseException] = {}
     if death.partition is not None:

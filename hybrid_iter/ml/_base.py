@@ -28,7 +28,7 @@ from .._errors import (
 from .._result import IterationResult
 from .._runtime.array_store import forget, plan_reuse
 from .._runtime.endpoint import refuse_on_connect
-from .._runtime.entry import runs_coming
+from .._runtime.entry import refuse_stopped_session, runs_coming
 from .._runtime.iterate import iterate_bounded_streams_until_termination
 from .._streams import DataStream, ReplayableDataStreamList, _is_dataframe
 from ._features import FeaturePlan
@@ -156,6 +156,7 @@ def check_dataframe(owner: str, df: Any, *, call: str | None = None) -> None:
     call = call or f"{owner}.fit(df)"
     if not _is_dataframe(df):
         raise IterationConfigError(f"{call} needs a pyspark.sql.DataFrame, got {type(df).__name__}")
+    refuse_stopped_session(df, f"the DataFrame given to {call}")
     refuse_on_connect(owner, df.sparkSession)  # what cannot run on Spark Connect yet
     if df.isStreaming:
         raise IterationConfigError(

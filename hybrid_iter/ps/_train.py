@@ -960,11 +960,13 @@ def serve_shards(
             f"{SERVE_TIMEOUT:g} s: look for the shard actors' errors in Ray's logs"
         ) from None
     except ray.exceptions.RayTaskError as ex:
+        # the server names its own cause (EndpointBindError: the address, the certificate)
+        cause = ex.cause if ex.cause is not None else ex
         raise SessionError(
             f"the parameter shards cannot serve their endpoints on "
-            f"{first.bind or '<their node>:0'}: {str(ex.cause or ex).splitlines()[0]}; give "
-            f"EndpointConfig(bind='host:port') a host of the shards' node"
-        ) from None
+            f"{first.bind or '<their node>:0'}: "
+            f"{(str(cause).splitlines() or [type(cause).__name__])[0]}"
+        ) from ex
     specs = []
     for loc in locations:
         hostport = loc.split("://", 1)[-1]
