@@ -232,7 +232,7 @@ def test_a_checkpoint_location_spark_cannot_open_fails_before_any_job(
     connector of its scheme the error says what to add, before any job or actor."""
     import ray
 
-    from hybrid_iter._runtime.ray_util import NAMESPACE
+    from hybrid_iter._cluster.ray_util import NAMESPACE
 
     def online_actors():
         return {

@@ -155,7 +155,7 @@ def test_coordinator_resources_are_checked_before_anything_runs(session, spark, 
 
 
 def test_the_coordinator_goes_where_coordinator_resources_say(spark):
-    from hybrid_iter._runtime import placement as _placement
+    from hybrid_iter._cluster import placement as _placement
 
     assert _placement.coordinator_actor_options() == {}  # one node: nowhere else to go
     head = {"node:__internal_head__": 0.001}

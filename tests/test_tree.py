@@ -470,7 +470,7 @@ def test_a_root_aggregator_killed_from_outside_fails_the_run_naming_it(data, tmp
 
 def test_aggregator_actors_are_placed_where_their_coordinator_was(session):
     """The coordinator tier's placement rule (the head node, or the configured resources:
-    ``hybrid_iter/_runtime/placement.py``) reaches the aggregators: they ask for the
+    ``hybrid_iter/_cluster/placement.py``) reaches the aggregators: they ask for the
     custom resources the coordinator actor holds, so they go where it went."""
     import ray
 

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator import OnlineStatus, OutputRecord
 
+from ..._cluster.placement import kill
 from ..._errors import IterationConfigError, IterationFailedError
 from ..metrics import RunMeter
-from ..placement import kill
 
 if TYPE_CHECKING:
     from .driver import MicroBatchDriver
