@@ -588,8 +588,8 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             )
             report["kill"] = {
-                "attempts": len(faulty.extra["attempts"]),
-                "restored_from": faulty.extra["checkpoint"]["restored_from"],
+                "attempts": len(faulty.attempts),
+                "restored_from": faulty.checkpoint["restored_from"],
                 "same_bytes": faulty.variables["w"].tobytes() == clean.variables["w"].tobytes(),
                 "same_loss": [float(v) for v in faulty.outputs["loss"]]
                 == [float(v) for v in clean.outputs["loss"]],

@@ -133,7 +133,7 @@ def test_a_killed_coordinator_restores_a_tree_run_to_the_same_bits(data, tmp_pat
         },
         **tree,
     )
-    assert killed.extra["attempts"], "the fault did not happen"
+    assert killed.attempts, "the fault did not happen"
     assert clean.epochs == killed.epochs == 5
     for a, b in zip(clean.outputs["total"], killed.outputs["total"], strict=True):
         assert np.array_equal(a[0], b[0]) and a[1:] == b[1:]

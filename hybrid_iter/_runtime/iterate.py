@@ -62,7 +62,7 @@ from .._errors import (
     SessionError,
     WorkerDiedError,
 )
-from .._result import IterationResult
+from .._result import IterationResult, ReplayInfo
 from .._streams import ReplayableDataStreamList
 from .controller import RunController, RunState
 from .endpoint import EndpointPlan
@@ -358,7 +358,8 @@ def iterate_bounded_streams_until_termination(
             if op is not None and type(op).__module__ != "__main__"
         }
     )
-    extra: dict[str, Any] = {}
+    #: what the result says of how the run went (``IterationResult``'s typed fields)
+    facts: dict[str, Any] = {}
     run = RunController(
         config.restarts,
         checkpoint_uri=checkpoint.uri if checkpoint is not None else None,
@@ -387,7 +388,7 @@ def iterate_bounded_streams_until_termination(
             run.running()
             try:
                 if streams.any_replayed:
-                    _run_rounds(monitor, run_plan, streams, n, extra)
+                    _run_rounds(monitor, run_plan, streams, n, facts)
                 else:
                     stage = BarrierStage(
                         streams.dataframes,
@@ -396,9 +397,9 @@ def iterate_bounded_streams_until_termination(
                         partitions=partitions[0],
                     )
                     monitor.run(stage.run)
-                    extra["repartitioned"] = stage.repartitioned
+                    facts["repartitioned"] = bool(stage.repartitioned)
                 data = monitor.finish()
-                extra["checkpoint"] = _call(actor, "checkpoint_info")
+                facts["checkpoint"] = _call(actor, "checkpoint_info")
                 run.finished()
             except BaseException as ex:
                 run.checkpointed(monitor.checkpointed)
@@ -439,9 +440,7 @@ def iterate_bounded_streams_until_termination(
             kill(actor, f"the coordinator actor {name}")
         if checkpoint is None:
             keep_spare(actor_cls, warm)
-    extra["attempts"] = list(run.failed_attempts)
-    if run.restores:
-        extra["restores"] = [(r.found, r.expected) for r in run.restores]
+
     times = data.alignment_times
     return IterationResult(
         variables=data.variables,
@@ -457,11 +456,13 @@ def iterate_bounded_streams_until_termination(
         mode=config.mode,
         seconds=time.perf_counter() - started,
         load_seconds=(times[0] - started_wall) if times else 0.0,
-        extra={
-            **extra,
-            "publishes": data.publishes,
-            "object_store_puts": data.object_store_puts,
-        },
+        attempts=tuple(run.failed_attempts),
+        restores=tuple((r.found, r.expected) for r in run.restores),
+        checkpoint=facts.get("checkpoint"),
+        repartitioned=facts.get("repartitioned", False),
+        publishes=data.publishes,
+        object_store_puts=data.object_store_puts,
+        replay=facts.get("replay"),
     )
 
 
@@ -560,16 +561,13 @@ def _alive_nodes() -> int:
 
 
 def _run_rounds(
-    monitor: _Monitor, plan: TaskPlan, streams: ReplayableDataStreamList, n: int, extra: dict
+    monitor: _Monitor, plan: TaskPlan, streams: ReplayableDataStreamList, n: int, facts: dict
 ) -> None:
     """One barrier job per round over Spark's cache of the replayed streams."""
     replay = ReplayPlan(streams.dataframes, streams.replayed, n)
     try:
-        extra["replay_batches"] = replay.prepare()
-        extra["replay_storage"] = str(replay.storage_level)
-        extra["replay_memory_bytes"] = replay.memory_bytes
-        extra["replay_disk_bytes"] = replay.disk_bytes
-        extra["repartitioned"] = True
+        batches = replay.prepare()
+        facts["repartitioned"] = True
         rounds = 0
         while True:
             monitor.run(
@@ -579,7 +577,13 @@ def _run_rounds(
             rounds += 1
             if monitor.closed():
                 break
-        extra["rounds"] = rounds
+        facts["replay"] = ReplayInfo(
+            batches=batches,
+            storage_level=str(replay.storage_level),
+            memory_bytes=replay.memory_bytes,
+            disk_bytes=replay.disk_bytes,
+            rounds=rounds,
+        )
     finally:
         replay.close()
 

@@ -303,7 +303,7 @@ def run_with_array_cache(
             )
             reuse = False
             continue
-        if stored is not None and not stored.read and result.extra.get("repartitioned"):
+        if stored is not None and not stored.read and result.repartitioned:
             forget(stored)  # subtask p did not read cached partition p: keep nothing
         if stored is not None and stored.read:  # the rows read, not the stand-in's
             return replace(result, rows=list(stored.rows)), "array cache"

@@ -110,6 +110,9 @@ class MicroBatchDriver:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.failed: list[IterationFailedError] = []
+        #: a micro-batch was refused because ``stop()`` was draining (the query then
+        #: ends with that refusal, which is no failure of the user's)
+        self.refused_on_stop = False
         self.printer = ProgressPrinter(cfg.progress, label=cfg.name or "online")
         self.watch = FailureWatch(spark, actor, name)
         self._describe = functools.partial(
@@ -123,9 +126,11 @@ class MicroBatchDriver:
         # which waits for this very call to return
         while not self.lock.acquire(timeout=0.05):
             if self.stopping.is_set():
+                self.refused_on_stop = True
                 raise RuntimeError(STOPPING)
         try:
             if self.stopping.is_set():
+                self.refused_on_stop = True
                 raise RuntimeError(STOPPING)  # not run, not committed: replayed later
             self.run_batch(batch_df, int(batch_id))
         except IterationFailedError as ex:

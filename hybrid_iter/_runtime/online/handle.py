@@ -214,7 +214,7 @@ class OnlineIteration:
         failure = self._failure()
         if failure is not None:
             return failure
-        if self._stopped and STOPPING in str(ex):
+        if self._stopped and self._driver.refused_on_stop:
             return None  # a micro-batch refused to start because stop() was draining
         return ex
 
