@@ -1,4 +1,4 @@
-"""The package boundaries of DESIGN.md section 2, and lint."""
+"""The package boundaries and layers of docs/design.md, and lint."""
 
 from __future__ import annotations
 

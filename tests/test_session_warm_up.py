@@ -1,4 +1,4 @@
-"""A session warms in the background what every run needs (DESIGN.md section 8): a spare
+"""A session warms in the background what every run needs (docs/design.md, "Performance"): a spare
 coordinator, the array store, Spark's Python workers with our modules imported and Ray
 joined. The first runs take what it made; it never changes a result; a session stopped
 while it runs stops cleanly. Each case in a process of its own (``warm_up_job.py``):

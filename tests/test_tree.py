@@ -59,7 +59,7 @@ class Summer(hi.CoordinatorOperator):
         self.acc, self.calls = None, 0
         if epoch < self.last:
             out.criteria()
-            # the feedback edge is publish_variables (DESIGN.md section 3): keep it alive
+            # the feedback edge is publish_variables (docs/semantics.md): keep it alive
             out.publish_variables(w=np.zeros(1))
 
 

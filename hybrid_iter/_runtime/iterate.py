@@ -261,7 +261,7 @@ def iterate_bounded_streams_until_termination(
     config: IterationConfig,
     body: IterationBody,
 ) -> IterationResult:
-    """Run ``body`` over bounded DataFrames until it terminates; see DESIGN.md section 3.
+    """Run ``body`` over bounded DataFrames until it terminates; see docs/semantics.md.
 
     ``init_variables`` are the variables at epoch 0 (numpy arrays or numbers, by name);
     the coordinator tier publishes new versions with ``out.publish_variables``.
