@@ -132,7 +132,7 @@ def main() -> None:
                 )
                 every.append(statistics.median(r.epoch_seconds[1:]))
                 per_ckpt.append(
-                    statistics.median(s for _, _, s in r.extra["checkpoint"]["checkpoints"])
+                    statistics.median(s for _, _, s in r.checkpoint["checkpoints"])
                 )
                 shutil.rmtree(d)
                 d = tempfile.mkdtemp()
@@ -152,7 +152,7 @@ def main() -> None:
                     checkpoint=hi.CheckpointConfig(d, every_epochs=5),
                     hooks=FaultInjection(fail_partition=1, at_epoch=args.epochs // 2 + 2),
                 )
-                assert len(r.extra["attempts"]) == 1
+                assert len(r.attempts) == 1
                 faulty_total.append(r.seconds)
                 shutil.rmtree(d)
                 d = tempfile.mkdtemp()
@@ -166,7 +166,7 @@ def main() -> None:
                 # Ray restarts the actor in place unless its creation arguments were
                 # lost (large initial variables travel as an object); then the driver
                 # starts a new coordinator from the checkpoint instead: record which
-                reconstructed.append(bool(r.extra["checkpoint"]["reconstructed"]))
+                reconstructed.append(bool(r.checkpoint["reconstructed"]))
                 killed_total.append(r.seconds)
                 shutil.rmtree(d)
             m = {

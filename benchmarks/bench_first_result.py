@@ -164,7 +164,7 @@ def _run_fresh(kind: str, n: int) -> float:
 def make_class_archive() -> dict[str, Any]:
     """The JVM class archive a ``Session.local(n)`` maps, made as a session's warm-up
     makes it (``spark_ops._class_archive.Creator``) but waited for; its seconds."""
-    from hybrid_iter._session import _SparkStart
+    from hybrid_iter._session.local import SparkStart as _SparkStart
     from spark_ops import _class_archive
 
     t0 = time.perf_counter()

@@ -6,7 +6,7 @@ and a 10,000,000-parameter ``ps.train`` end to end.
     python benchmarks/bench_ps.py --sizes 1000,1000000 --shards 1,2 --repeats 10
 
 Measured side by side in one run (async shards, SGD; the client is the same code a Spark
-task runs, ``hybrid_iter.ps._train._Shards``, here in the driver process):
+task runs, ``hybrid_iter.ps._client.Shards``, here in the driver process):
 
 * ``round_trip``: ``pull`` of the whole vector (zero-copy from the object store when a
   slice is over 64 KiB) + ``push`` of a dense gradient of the same size, one worker.
@@ -38,7 +38,9 @@ from _harness import write_report
 
 import hybrid_iter as hi
 from hybrid_iter import ps
-from hybrid_iter.ps._train import _shard_bounds, _Shards, launch_shards, stop_shards
+from hybrid_iter.ps._client import Shards as _Shards
+from hybrid_iter.ps._shards import launch_shards, stop_shards
+from hybrid_iter.ps._shards import shard_bounds as _shard_bounds
 
 HERE = Path(__file__).resolve().parent
 

@@ -259,7 +259,7 @@ def run_config(
 
     from coordinator import CoordinatorSpec
     from coordinator._tree import TreeSpec
-    from hybrid_iter._runtime.ray_util import NAMESPACE
+    from hybrid_iter._cluster.ray_util import NAMESPACE
     from hybrid_iter._runtime.task import TaskPlan
 
     op_bytes, coord_bytes = ops or _make_ops(size, epochs, tree)
@@ -460,7 +460,7 @@ def main() -> None:
         fanout = [int(float(x)) for x in args.fanout_sizes.split(",") if x]
     epochs = args.epochs or epochs
 
-    from hybrid_iter._runtime.ray_util import NAMESPACE, force_loopback
+    from hybrid_iter._cluster.ray_util import NAMESPACE, force_loopback
 
     force_loopback()
     import ray

@@ -101,7 +101,7 @@ def worker(kind: str) -> dict[str, Any]:
             .getOrCreate()
         )
         spark.sparkContext.setLogLevel("ERROR")
-        from hybrid_iter._runtime.ray_on_spark import _wait_for_executors
+        from hybrid_iter._session.on_spark_plan import wait_for_executors as _wait_for_executors
 
         _wait_for_executors(spark, 300)  # the user's cluster is up before the session
         out["spark_seconds"] = time.perf_counter() - t

@@ -29,7 +29,7 @@ import hybrid_iter as hi
 from coordinator._tables import Init, TableSpec
 from hybrid_iter import ps
 from hybrid_iter.ps._client import Shards, TablePlan, step_keys
-from hybrid_iter.ps._train import _launch, stop_shards
+from hybrid_iter.ps._shards import _launch, stop_shards
 
 ROWS, IDS = 1024, 50
 

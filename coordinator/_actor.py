@@ -124,7 +124,10 @@ class IterationCoordinator(EndpointServing):
                 if spec.staleness != 0:
                     raise ValueError("feedback_combine needs a sync iteration (staleness=0)")
                 self._tree = CoordinatorTree(
-                    spec.tree, spec.num_subtasks, start_groups=put is not None
+                    spec.tree,
+                    spec.num_subtasks,
+                    start_groups=put is not None,
+                    placement=spec.placement,
                 )
                 self.host.combiner = self._tree.combiner
             if spec.operators:

@@ -3,7 +3,7 @@
 ``CoordinatorCore.handle(event) -> list[instruction]`` is the only entry. It wraps the
 epoch state machine (``_state.py``: calls, alignments, termination, releases) and the cut
 protocol (``_cut.py``: fencing, sync buffering, the checkpoint cut, the restore) and
-decides, in the order DESIGN.md sections 3 and 6 give, everything the coordinator actor
+decides, in the order docs/semantics.md and docs/fault_tolerance.md give, everything the coordinator actor
 does: which call is accepted, when an alignment completes, which user callback runs
 next, who is released and with which answer, when subtasks are asked for their state,
 when a checkpoint is written, how the iteration terminates (the terminating round, then

@@ -3,7 +3,7 @@
 Runs inside the coordinator actor (``_actor.py``), which feeds it events and carries out
 its instructions; tests step it event by event without Ray (``tests/test_cut.py``).
 
-What it decides (DESIGN.md section 6):
+What it decides (docs/fault_tolerance.md):
 
 * **Fencing**: calls of an earlier launch of the stage (tasks still dying after a
   failure) are refused; only the current ``attempt`` is served.

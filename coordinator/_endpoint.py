@@ -2,7 +2,7 @@
 
 A subtask that has no raylet on its host (a Spark Connect server's executors, Spark on
 Kubernetes beside a KubeRay cluster) reaches its coordinator through a network endpoint
-served in the coordinator actor's process (DESIGN.md section 2, "the seam"). It carries
+served in the coordinator actor's process (docs/design.md, "the seam"). It carries
 the calls of ``CoordinatorLink`` unchanged: each call is a Flight ``DoAction`` whose body
 is the call's arguments (cloudpickle) and whose one result is the coroutine's answer, run
 on the actor's own event loop, so the coordinator cannot tell the transports apart and

@@ -41,6 +41,9 @@ class CoordinatorSpec:
     #: need not wait for the actor's process before the Spark stage (None: none until
     #: ``begin_attempt``); a restarted actor ignores it (the driver opens the next one)
     attempt: int | None = None
+    #: the Ray resources the coordinator tier asks for (the driver's placement rule,
+    #: ``hybrid_iter._cluster.placement``): the tree's aggregators go where it goes
+    placement: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Events in, decisions out. The Ray actor (``_actor.py``) is a thin shell that feeds it
 the subtasks' calls and runs the user's coordinator operator where it says so.
 
-Vocabulary (DESIGN.md section 3, as implemented here):
+Vocabulary (docs/semantics.md, as implemented here):
 
 * A subtask's **call k** (k = 0, 1, 2, ...) says "my epoch-k input is consumed; may I run
   my ``on_epoch_watermark_incremented(k)``?". Call 0 follows the initial input (initial

@@ -225,7 +225,14 @@ class CoordinatorTree:
     partial values of each epoch are the core's, ``_core.py``, merged by the operator
     host at the alignment). Runs in the Ray coordinator actor."""
 
-    def __init__(self, spec: TreeSpec, num_subtasks: int, *, start_groups: bool = True) -> None:
+    def __init__(
+        self,
+        spec: TreeSpec,
+        num_subtasks: int,
+        *,
+        start_groups: bool = True,
+        placement: Mapping[str, float] | None = None,
+    ) -> None:
         self.spec = spec
         self.combiner = spec.load()
         self.bounds = group_bounds(num_subtasks, spec.fan_in)
@@ -238,16 +245,16 @@ class CoordinatorTree:
         if self.bounds and start_groups:
             import ray
 
-            # the coordinator tier's placement (hybrid_iter/_runtime/placement.py: the head
-            # node, or the configured resources) is what the coordinator actor was started
-            # with: the aggregators ask for the same resources, so they go where it is
+            # the coordinator tier's placement (the driver's rule, ``CoordinatorSpec.
+            # placement``): the aggregators ask for the same resources, so they go where
+            # the coordinator is
             options = {
                 "num_cpus": 0,
                 "max_restarts": 0,
                 "max_task_retries": 0,
                 "max_concurrency": max(1000, 4 * 64),
                 "enable_task_events": False,
-                **placement_options(),
+                **({"resources": dict(placement)} if placement else {}),
             }
             me = ray.get_runtime_context().current_actor
             self.root = ray.remote(**options)(RootAggregator).remote(me, self.bounds, spec)
@@ -493,18 +500,6 @@ class RootAggregator(_Aggregator):
     async def info(self) -> dict[str, Any]:
         """Counters; ``cpu_seconds``: this process's CPU time so far."""
         return {"groups": self.expected, "forwarded": self.forwarded, "cpu_seconds": _cpu()}
-
-
-def placement_options() -> dict[str, Any]:
-    """``ray.remote`` options that place an actor as the current one was placed: the
-    custom resources it holds (``{}`` when none: a single-node run)."""
-    import ray
-
-    held = ray.get_runtime_context().get_assigned_resources()
-    resources = {
-        k: v for k, v in held.items() if k not in ("CPU", "GPU", "memory", "object_store_memory")
-    }
-    return {"resources": resources} if resources else {}
 
 
 def _answer(reply: Reply, size: int | None) -> Any:

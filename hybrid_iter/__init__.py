@@ -1,7 +1,7 @@
 """hybrid_iter: iterative dataflow (the Flink ML iteration model) on Spark + Ray.
 
 Spark is the data plane (one barrier stage; each task reads its data once), a Ray actor
-is the coordinator and parameter server. See DESIGN.md.
+is the coordinator and parameter server. See docs/design.md.
 
     import hybrid_iter as hi
 

@@ -63,7 +63,7 @@ def _check_uri(field: str, uri: object, *, spark_reads: bool = False) -> str:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Checkpoints of a bounded iteration (DESIGN.md section 6).
+    """Checkpoints of a bounded iteration (docs/fault_tolerance.md).
 
     Every ``every_epochs`` global alignments the coordinator writes a consistent cut
     (variables, epoch, its state machine, the coordinator operator, every partition
@@ -143,7 +143,7 @@ def _check_file(field: str, value: object) -> None:
 @dataclass(frozen=True, kw_only=True)
 class EndpointConfig:
     """The coordinator endpoint (``IterationConfig(transport="endpoint")``): a server in
-    the coordinator actor's process that subtasks reach without Ray (DESIGN.md section 2).
+    the coordinator actor's process that subtasks reach without Ray (docs/design.md, "the seam").
 
     * ``bind``: ``host:port`` the server listens on, on the coordinator's node (None: that
       node's address, any free port). ``"0.0.0.0:8815"`` listens everywhere.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +12,19 @@ import numpy as np
 
 from coordinator import OutputRecord
 
-__all__ = ["IterationResult"]
+__all__ = ["IterationResult", "ReplayInfo"]
+
+
+@dataclass(frozen=True)
+class ReplayInfo:
+    """How a run with replayed streams used Spark's cache: the cached batches, the storage
+    level, the bytes in memory and on disk, and the rounds (one Spark job each)."""
+
+    batches: int
+    storage_level: str
+    memory_bytes: int
+    disk_bytes: int
+    rounds: int = 0
 
 
 @dataclass(frozen=True)
@@ -30,6 +42,13 @@ class IterationResult:
     * ``subtask_epochs``: epochs each subtask ran (async: fast ones run more);
       ``feedback_counts``: feedback records of each subtask that the coordinator applied
       (async: a record that arrives after termination is not applied).
+    * how the run went: ``attempts`` (one line per failed attempt that was relaunched),
+      ``restores`` (per restore by a coordinator Ray restarted: the epoch found and the
+      epoch expected), ``checkpoint`` (the coordinator's checkpoint accounting at the end:
+      ``restored_from``, ``restored_epoch``, ...; None when it could not be read),
+      ``repartitioned`` (the stage routed the streams' partitions to the subtasks through
+      a shuffle), ``publishes`` and ``object_store_puts`` (variables versions published,
+      and those put into Ray's object store), ``replay`` (replayed streams only).
     """
 
     variables: Mapping[str, np.ndarray]
@@ -45,7 +64,13 @@ class IterationResult:
     mode: str
     seconds: float
     load_seconds: float
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    attempts: tuple[str, ...] = ()
+    restores: tuple[tuple[int | None, int | None], ...] = ()
+    checkpoint: Mapping[str, Any] | None = None
+    repartitioned: bool = False
+    publishes: int = 0
+    object_store_puts: int = 0
+    replay: ReplayInfo | None = None
 
     @property
     def seconds_per_epoch(self) -> float | None:
@@ -79,13 +104,13 @@ class IterationResult:
         (``pip install 'hybrid-iter[plot]'``). Returns the path written (default
         ``hybrid_iter_loss.png``).
         """
-        runs = [(label or str(self.extra.get("label") or self.mode), self)]
+        runs = [(label or self.mode, self)]
         if isinstance(compare, IterationResult):
             compare = [compare]
         if isinstance(compare, Mapping):
             runs += [(str(k), v) for k, v in compare.items()]
         elif compare is not None:
-            runs += [(str(r.extra.get("label") or r.mode), r) for r in compare]
+            runs += [(r.mode, r) for r in compare]
         return _plot_runs(runs, Path(path or "hybrid_iter_loss.png"), tag)
 
     def summary(self) -> str:

@@ -89,7 +89,7 @@ def main(directory: str) -> int:
                 "w_hex": result.variables["w"].tobytes().hex(),
                 "epochs": result.epochs,
                 "w0": result.outputs["w0"],
-                "checkpoint": result.extra["checkpoint"],
+                "checkpoint": result.checkpoint,
             }
         ),
         flush=True,

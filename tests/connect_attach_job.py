@@ -238,7 +238,6 @@ def _run(server: _Server, tmp: Path) -> dict:
             "epochs": r.epochs,
             "terminated_by": r.terminated_by,
             "where": r.outputs["where"],
-            "transport": r.extra.get("transport"),
         }
 
     def async_() -> dict:
@@ -304,8 +303,8 @@ def _run(server: _Server, tmp: Path) -> dict:
             hooks=FaultInjection(fail_partition=0, at_epoch=14),
         )
         return {
-            "attempts": len(faulty.extra["attempts"]),
-            "restored_from": faulty.extra["checkpoint"]["restored_from"],
+            "attempts": len(faulty.attempts),
+            "restored_from": faulty.checkpoint["restored_from"],
             "same": faulty.variables["w"].tobytes() == clean.variables["w"].tobytes(),
             "w": clean.variables["w"].tolist(),
         }

@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
             "w_hex": faulted.variables["w"].tobytes().hex(),
             "epochs": faulted.epochs,
             "w0": faulted.outputs["w0"],
-            "checkpoint": faulted.extra.get("checkpoint"),
+            "checkpoint": faulted.checkpoint,
         }
         report["killed_node"] = marker.read_text() if marker.exists() else None
         report["alignments"] = [line.split() for line in log.read_text().splitlines()]

@@ -23,7 +23,7 @@ from pathlib import Path
 from session_start_job import RESULT_PREFIX, children
 
 #: where the main thread waits for Spark's start
-WAITS = {"_SparkStart.result", "_SparkStart.wait"}
+WAITS = {"SparkStart.result", "SparkStart.wait"}
 
 
 def _says_when_waiting(main: int, marks: Path) -> None:

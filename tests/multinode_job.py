@@ -255,7 +255,7 @@ def summary(result: Any) -> dict[str, Any]:
         "epochs": result.epochs,
         "seen_ok": all(ok for _, _, ok in seen),
         "versions": sorted({(p, v) for p, v, _ in seen}),
-        "attempts": result.extra.get("attempts", []),
+        "attempts": list(result.attempts),
     }
 
 

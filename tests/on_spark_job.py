@@ -366,7 +366,7 @@ def wrong_token_probe(address: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64})
     code = (
-        "import sys\nfrom hybrid_iter._session import probe_ray_cluster\n"
+        "import sys\nfrom hybrid_iter._cluster.ray_join import probe_ray_cluster\n"
         "try:\n    probe_ray_cluster(sys.argv[1], 30)\nexcept Exception as ex:\n"
         "    print(type(ex).__name__, ex)\n    sys.exit(3)\n"
     )
@@ -449,9 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     ray_root = tempfile.mkdtemp(prefix="hi-ros-", dir="/tmp")
     # the session's warm-up is waited for at once, with no job of the user's to let go
     # first: it need not wait 5 s for a quiet Spark
-    from hybrid_iter import _session
+    from hybrid_iter._cluster import warm_up
 
-    _session._QUIET_BEFORE_WARM_UP = 1.0
+    warm_up.QUIET_BEFORE_WARM_UP = 1.0
     t0 = time.perf_counter()
     session = hi.Session.on_spark(
         spark,
@@ -588,8 +588,8 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             )
             report["kill"] = {
-                "attempts": len(faulty.extra["attempts"]),
-                "restored_from": faulty.extra["checkpoint"]["restored_from"],
+                "attempts": len(faulty.attempts),
+                "restored_from": faulty.checkpoint["restored_from"],
                 "same_bytes": faulty.variables["w"].tobytes() == clean.variables["w"].tobytes(),
                 "same_loss": [float(v) for v in faulty.outputs["loss"]]
                 == [float(v) for v in clean.outputs["loss"]],

@@ -62,8 +62,8 @@ def main() -> int:
                 "rounds": result.outputs["round"],
                 "expected_total": expected,
                 "rows": rows,
-                "disk": result.extra["replay_disk_bytes"],
-                "memory": result.extra["replay_memory_bytes"],
+                "disk": result.replay.disk_bytes,
+                "memory": result.replay.memory_bytes,
                 "raw_bytes": rows * cols * 8,
             }
         )

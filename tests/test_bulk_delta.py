@@ -35,7 +35,7 @@ def test_pagerank_bulk_iteration_matches_numpy(session, replay):
     )
     np.testing.assert_allclose(result.variables["rank"], reference, rtol=0, atol=1e-15)
     assert abs(result.variables["rank"].sum() - 1.0) < 1e-12
-    assert result.extra.get("rounds", result.epochs) == result.epochs
+    assert (result.replay.rounds if result.replay else result.epochs) == result.epochs
 
 
 def test_pagerank_stops_when_converged(session):

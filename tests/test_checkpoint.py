@@ -40,8 +40,8 @@ def test_a_failed_task_is_relaunched_from_the_last_checkpoint(df, clean, tmp_pat
     )
     assert result.variables["w"].tobytes() == clean.variables["w"].tobytes()
     assert result.outputs["w0"] == clean.outputs["w0"]  # outputs are neither lost nor doubled
-    assert len(result.extra["attempts"]) == 1 and "InjectedFault" in result.extra["attempts"][0]
-    assert result.extra["checkpoint"]["restored_from"].endswith("chk-0000000008.ckpt")
+    assert len(result.attempts) == 1 and "InjectedFault" in result.attempts[0]
+    assert result.checkpoint["restored_from"].endswith("chk-0000000008.ckpt")
     assert result.epochs == EPOCHS
 
 
@@ -52,10 +52,10 @@ def test_a_dead_coordinator_is_restarted_by_ray_and_reloads_the_checkpoint(df, c
         hooks=FaultInjection(kill_coordinator_at=14),
     )
     assert result.variables["w"].tobytes() == clean.variables["w"].tobytes()
-    info = result.extra["checkpoint"]
+    info = result.checkpoint
     assert info["reconstructed"] is True  # the same actor, restarted by Ray
     assert info["restored_from"].endswith("chk-0000000012.ckpt")
-    assert "coordinator actor died" in result.extra["attempts"][0]
+    assert "coordinator actor died" in result.attempts[0]
 
 
 def test_a_coordinator_whose_creation_arguments_live_in_the_object_store_is_restarted(
@@ -79,7 +79,7 @@ def test_a_coordinator_whose_creation_arguments_live_in_the_object_store_is_rest
         hi.IterationBody(Grad(), Step()),
     )
     assert result.variables["w"].tobytes() == clean.variables["w"].tobytes()
-    assert result.extra["checkpoint"]["reconstructed"] is True, result.extra["attempts"]
+    assert result.checkpoint["reconstructed"] is True, result.attempts
     np.testing.assert_array_equal(result.variables["big"], np.arange(250_000.0))
 
 
@@ -137,7 +137,7 @@ def test_a_killed_driver_is_resumed_from_its_checkpoints(df, clean, tmp_path):
     assert resumed.epochs == EPOCHS
     assert resumed.variables["w"].tobytes() == clean.variables["w"].tobytes()
     assert resumed.outputs["w0"] == clean.outputs["w0"]
-    assert resumed.extra["checkpoint"]["restored_from"] is not None
+    assert resumed.checkpoint["restored_from"] is not None
 
 
 def test_a_corrupt_checkpoint_is_skipped_for_the_previous_valid_one(df, clean, tmp_path):
@@ -158,7 +158,7 @@ def test_a_corrupt_checkpoint_is_skipped_for_the_previous_valid_one(df, clean, t
         checkpoint=hi.CheckpointConfig(directory, every_epochs=2, keep_last=3),
         resume_from=directory,
     )
-    info = result.extra["checkpoint"]
+    info = result.checkpoint
     assert info["restored_from"].endswith("chk-0000000008.ckpt")
     assert any("truncated" in why for _, why in info["skipped"])
     assert result.variables["w"].tobytes() == clean.variables["w"].tobytes()
@@ -199,7 +199,7 @@ def test_checkpoint_size_does_not_grow_with_the_epochs_behind_it(df, tmp_path):
     )
     files = sorted(Path(tmp_path).glob("chk-*.ckpt"))
     assert len(files) == 2  # keep_last prunes
-    assert len(result.extra["checkpoint"]["checkpoints"]) == 29
+    assert len(result.checkpoint["checkpoints"]) == 29
     # the newest checkpoint file is as large as an early one would be: outputs live in
     # per-checkpoint segments, not in every checkpoint
     early = iterate(
@@ -246,7 +246,7 @@ def test_async_recovery_neither_loses_nor_repeats_an_acknowledged_update(df, tmp
         hi.IterationBody(Ids(), Applied()),
     )
     (applied,) = result.outputs["applied"]
-    assert len(result.extra["attempts"]) == 1
+    assert len(result.attempts) == 1
     assert len(applied) == len(set(applied))  # nothing applied twice
     for pid in (0, 1):
         mine = sorted(e for p, e in applied if p == pid)

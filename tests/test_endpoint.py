@@ -332,8 +332,8 @@ def test_an_injected_fault_is_restored_from_a_checkpoint_bit_for_bit(
         hooks=FaultInjection(fail_partition=0, at_epoch=14),
         transport=transport,
     )
-    assert len(faulty.extra["attempts"]) == 1
-    assert faulty.extra["checkpoint"]["restored_from"].endswith("chk-0000000012.ckpt")
+    assert len(faulty.attempts) == 1
+    assert faulty.checkpoint["restored_from"].endswith("chk-0000000012.ckpt")
     assert faulty.variables["w"].tobytes() == clean.variables["w"].tobytes()
 
 
@@ -353,8 +353,8 @@ def test_a_sigkilled_spark_worker_is_recovered_bit_for_bit(ck_df, tmp_path, tran
         done.set()
         killer.join()
     assert marker.exists()
-    assert len(faulty.extra["attempts"]) == 1
-    assert faulty.extra["checkpoint"]["restored_from"].endswith("chk-0000000010.ckpt")
+    assert len(faulty.attempts) == 1
+    assert faulty.checkpoint["restored_from"].endswith("chk-0000000010.ckpt")
     assert faulty.variables["w"].tobytes() == reference.variables["w"].tobytes()
 
 

@@ -230,10 +230,11 @@ def test_hooks_are_validated_with_the_argument_named():
 
 #: the only sleeps on a product path: bounded polling of something outside the process
 ALLOWED_SLEEPS = {
-    "hybrid_iter/_runtime/iterate.py": 2,  # Ray restarting the coordinator; lost executors
-    "hybrid_iter/_session.py": 2,  # an external registration; a failed start's processes
-    # Ray on Spark: executors registering, worker nodes leaving, its head starting
-    "hybrid_iter/_runtime/ray_on_spark.py": 3,
+    "hybrid_iter/_runtime/iterate.py": 1,  # Ray restarting the coordinator
+    "hybrid_iter/_cluster/slots.py": 1,  # an external registration (executors, slots)
+    "hybrid_iter/_cluster/processes.py": 1,  # a failed start's processes ending
+    # Ray on Spark: its worker nodes leaving, its head starting
+    "hybrid_iter/_session/ray_on_spark.py": 2,
     "hybrid_iter/ps/_epochs.py": 1,  # Ray restarting a parameter shard's process
 }
 _EXIT = re.compile(r"\bos\._exit\(")

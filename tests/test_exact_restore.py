@@ -150,8 +150,8 @@ def test_a_restore_hands_back_exactly_what_the_fault_free_run_had(
     df, clean, tmp_path, fault, every, cut
 ):
     faulty = run(df, checkpoint=hi.CheckpointConfig(str(tmp_path), every_epochs=every), hooks=fault)
-    assert len(faulty.extra["attempts"]) == 1, faulty.extra["attempts"]
-    assert faulty.extra["checkpoint"]["restored_epoch"] == cut
+    assert len(faulty.attempts) == 1, faulty.attempts
+    assert faulty.checkpoint["restored_epoch"] == cut
     assert faulty.variables["scale"].shape == ()
     assert_same(dict(clean.variables), dict(faulty.variables), "variables")
     before, after = records(clean), records(faulty)
@@ -309,14 +309,14 @@ def test_a_run_resumes_during_a_key_rotation_and_then_needs_only_the_new_key(
         run(df, resume_from=directory, **config)
     monkeypatch.setenv(PREVIOUS_KEY_ENV, OLD)
     resumed = run(df, resume_from=directory, **config)
-    assert resumed.extra["checkpoint"]["restored_epoch"] == 6
+    assert resumed.checkpoint["restored_epoch"] == 6
     assert_same(dict(clean.variables), dict(resumed.variables), "variables")
     for a, b in zip(records(clean), records(resumed), strict=True):
         assert_same(a.value, b.value, f"output {a.tag!r} of epoch {a.epoch}")
     # every file was read (and sealed again) or written since: the old key can go
     monkeypatch.delenv(PREVIOUS_KEY_ENV)
     again = run(df, resume_from=directory, max_epochs=EPOCHS + 2, **config)
-    assert not again.extra["checkpoint"]["skipped"]
+    assert not again.checkpoint["skipped"]
     assert len(again.output_records) == len(clean.output_records) + 2 * (4 + 4)
 
 

@@ -335,7 +335,7 @@ def test_dataframes_spark_refuses_in_a_barrier_stage_still_run(spark, regression
     )
     w, _, _ = numpy_linreg(X, y, 0.3, 5)
     np.testing.assert_allclose(result.variables["w"], w, atol=1e-9)
-    assert result.extra["repartitioned"] is True
+    assert result.repartitioned is True
 
 
 # -- the coordinator's process -------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The package boundaries of DESIGN.md section 2, and lint."""
+"""The package boundaries and layers of docs/design.md, and lint."""
 
 from __future__ import annotations
 
@@ -269,9 +269,10 @@ def test_the_cycle_check_finds_a_cycle():
     assert import_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def _module_imports(package: str) -> dict[str, set[str]]:
-    """Module name -> the modules of ``package`` it imports when it is loaded (imports
-    inside functions and under ``TYPE_CHECKING`` do not run then)."""
+def _module_imports(package: str, *, lazy: bool = True) -> dict[str, set[str]]:
+    """Module name -> the modules of ``package`` it imports: when it is loaded, and
+    (``lazy``) inside its functions too, which close a cycle as surely when they run;
+    imports under ``TYPE_CHECKING`` never run and do not count."""
     base = ROOT / package
     modules = {}
     for path in base.rglob("*.py"):
@@ -282,10 +283,21 @@ def _module_imports(package: str) -> dict[str, set[str]]:
         for node in body:
             if isinstance(node, ast.Import | ast.ImportFrom):
                 yield node
-            elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
-                yield from loaded(node.body)
-                yield from loaded(node.orelse)
+            elif isinstance(node, ast.If):
+                if "TYPE_CHECKING" not in ast.unparse(node.test):
+                    yield from loaded(node.body)
+                    yield from loaded(node.orelse)
             elif isinstance(node, ast.Try):
+                yield from loaded(node.body)
+                for handler in node.handlers:
+                    yield from loaded(handler.body) if lazy else iter(())
+                yield from loaded(node.orelse) if lazy else iter(())
+            elif lazy and isinstance(
+                node,
+                ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.With | ast.For,
+            ):
+                yield from loaded(node.body)
+            elif lazy and isinstance(node, ast.While):
                 yield from loaded(node.body)
 
     graph: dict[str, set[str]] = {}
@@ -346,13 +358,64 @@ def test_the_cycle_check_sees_a_cycle(tmp_path, monkeypatch):
     (pkg / "b.py").write_text(
         "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    pass\nfrom . import a\n\nx = 1\n"
     )
-    (pkg / "c.py").write_text("def f():\n    from . import a\n")  # loaded late: no edge
+    (pkg / "c.py").write_text("def f():\n    from . import d\n")  # loaded late
+    (pkg / "d.py").write_text("def g():\n    if True:\n        from . import c\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     graph = _module_imports("circle")
     assert graph == {
         "circle": set(),
         "circle.a": {"circle.b"},
         "circle.b": {"circle.a"},
-        "circle.c": set(),
+        "circle.c": {"circle.d"},
+        "circle.d": {"circle.c"},
     }
     assert _a_cycle(graph) == ["circle.a", "circle.b", "circle.a"]
+    del graph["circle.a"], graph["circle.b"]
+    assert _a_cycle(graph) == ["circle.c", "circle.d", "circle.c"]  # inside functions too
+    assert _module_imports("circle", lazy=False)["circle.c"] == set()
+
+
+#: what may import the session (``hybrid_iter._session``): the package's own surface and
+#: what runs a session for the user; everything else is below it and reads the cluster
+#: context (``hybrid_iter._cluster``)
+_ABOVE_THE_SESSION = ("hybrid_iter", "hybrid_iter.cli", "hybrid_iter.example")
+
+
+def test_nothing_below_the_session_imports_it():
+    graph = _module_imports("hybrid_iter")
+    offenders = sorted(
+        name
+        for name, deps in graph.items()
+        if any(d == "hybrid_iter._session" or d.startswith("hybrid_iter._session.") for d in deps)
+        and not name.startswith("hybrid_iter._session")
+        and not any(name == a or name.startswith(f"{a}.") for a in _ABOVE_THE_SESSION[1:])
+        and name != "hybrid_iter"
+    )
+    assert offenders == [], f"below the session, yet importing it: {offenders}"
+
+
+def test_the_cluster_layer_imports_nothing_above_it():
+    graph = _module_imports("hybrid_iter")
+    above = ("hybrid_iter._session", "hybrid_iter._runtime", "hybrid_iter.ml", "hybrid_iter.ps")
+    offenders = sorted(
+        (name, d)
+        for name, deps in graph.items()
+        if name.startswith("hybrid_iter._cluster")
+        for d in deps
+        if d.startswith(above)
+    )
+    assert offenders == [], f"the cluster layer imports what is above it: {offenders}"
+
+
+#: the most lines a product file may have: beyond it, a file holds more than one concept
+MAX_LINES = 800
+
+
+def test_no_product_file_is_over_800_lines():
+    too_long = {
+        str(path.relative_to(ROOT)): n
+        for package in ("hybrid_iter", "coordinator", "spark_ops", "storage_uri")
+        for path in (ROOT / package).rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert too_long == {}, f"split these by concept (at most {MAX_LINES} lines): {too_long}"

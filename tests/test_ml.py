@@ -156,7 +156,7 @@ def test_trace_versions_records_every_published_version_with_its_time(data, tmp_
         features_col=FEATURES, max_iter=6, learning_rate=0.8, tol=-1.0, solver="sgd"
     )._fit(df, hooks=hooks)
     versions = TraceVersions.read(str(tmp_path))
-    assert len(versions) == model.result.extra["publishes"] >= 5
+    assert len(versions) == model.result.publishes >= 5
     seconds = [s for s, _, _ in versions]
     epochs = [e for _, e, _ in versions]
     assert seconds == sorted(seconds) and seconds[0] >= 0.0

@@ -231,7 +231,7 @@ def test_a_bound_smaller_than_the_data_keeps_nothing_and_bad_conf_fails_before_a
 _KEEPER = """
 import sys, numpy as np, ray
 from hybrid_iter._runtime import array_store
-from hybrid_iter._runtime.ray_util import connect
+from hybrid_iter._cluster.ray_util import connect
 connect(sys.argv[1])
 stored = array_store.StoredArrays(sys.argv[2], ("app", 1, "k"), "write", 1)
 x = np.asfortranarray(np.arange(12.0).reshape(4, 3))

@@ -154,7 +154,7 @@ def test_async_fast_subtask_is_never_held_back_and_the_model_converges(data, tmp
     counts = result.feedback_counts
     assert counts[0] >= 9 and result.subtask_epochs[0] >= 9, counts
     # every update was applied on arrival and published at once
-    assert result.extra["publishes"] == counts[0] + counts[1]
+    assert result.publishes == counts[0] + counts[1]
     w_ls = np.linalg.lstsq(X, y, rcond=None)[0]
     np.testing.assert_allclose(result.variables["w"], w_ls, atol=0.05)
     assert result.terminated_by == "criteria" and result.epochs == 15

@@ -126,7 +126,7 @@ def test_a_bounded_run_exports_its_epoch_and_last_loss(spark, regression):
         name,
         epoch=result.epochs,
         loss=result.outputs["loss"][-1],
-        model_version=result.extra["publishes"],
+        model_version=result.publishes,
         rows=400,
         attempt=0,
         running=0,
@@ -167,8 +167,8 @@ def test_a_relaunch_is_counted_and_named(spark, regression, tmp_path):
         checkpoint=hi.CheckpointConfig(str(tmp_path), every_epochs=2),
         hooks=FaultInjection(fail_partition=1, at_epoch=3),
     )
-    assert len(result.extra["attempts"]) == 1
-    newest = max(epoch for epoch, _, _ in result.extra["checkpoint"]["checkpoints"])
+    assert len(result.attempts) == 1
+    newest = max(epoch for epoch, _, _ in result.checkpoint["checkpoints"])
     wait_for(name, epoch=6, attempt=1, checkpoint_epoch=newest, running=0, failed=0)
     described = set(job_descriptions(spark))
     for attempt in (0, 1):
@@ -215,10 +215,10 @@ def test_replayed_rounds_are_named_per_round(spark, regression):
         ),
         hi.IterationBody(CountRows(), SumRows()),
     )
-    assert result.extra["rounds"] >= 3
+    assert result.replay.rounds >= 3
     described = set(job_descriptions(spark))
     prefix = f"hybrid_iter {name}[sync]: barrier stage, 2 subtasks, attempt 0, round"
-    assert {f"{prefix} {k}" for k in range(result.extra["rounds"])} <= described
+    assert {f"{prefix} {k}" for k in range(result.replay.rounds)} <= described
 
 
 def test_an_online_run_exports_its_batches_as_they_commit(spark, tmp_path):

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import pytest
 from on_spark_job import CHECKPOINT_EVERY, CORES, EPOCHS, EXECUTORS, KILL_AT
 
 import hybrid_iter as hi
-from hybrid_iter._runtime.ray_on_spark import (
+from hybrid_iter._session.on_spark_plan import (
     Executor,
     check_master,
     executors_without_raylet,
@@ -251,65 +252,50 @@ class _RecordingTime:
         return getattr(time, name)
 
 
-def _ray_on_spark_module(in_use: bool) -> Any:
+def test_ray_on_sparks_wait_for_its_head_ends_once_a_new_head_is_up():
     import types
 
-    return types.SimpleNamespace(
+    from hybrid_iter._session.ray_on_spark import _HeadStartWait
+
+    checks = iter([False, False, True])
+    module = types.SimpleNamespace(
         time=_RecordingTime(),
         _RAY_HEAD_STARTUP_TIMEOUT=3600,  # a full sleep would outlast pytest-timeout
-        is_port_in_use=lambda ip, port: in_use,
     )
-
-
-def _after_head_launch(module: Any, proc: Any, seconds: float | None = None) -> None:
-    """What Ray on Spark's setup does right after launching its head."""
-    ray_head_ip, ray_head_port, ray_head_proc = "127.0.0.1", 6379, proc  # noqa: F841
-    module.time.sleep(module._RAY_HEAD_STARTUP_TIMEOUT if seconds is None else seconds)
-
-
-def test_ray_on_sparks_wait_for_its_head_ends_once_the_head_listens_or_has_exited():
-    from hybrid_iter._runtime.ray_on_spark import _HeadStartWait
-
-    with subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
-    ) as running:
-        try:
-            listening = _ray_on_spark_module(in_use=True)
-            recorded = listening.time
-            listening.time = _HeadStartWait(listening)
-            _after_head_launch(listening, running)  # listening: back at once
-            assert 3600 not in recorded.slept
-            # another sleep, or one whose caller holds no head, is the real one
-            _after_head_launch(listening, running, seconds=3)
-            assert recorded.slept[-1] == 3
-            listening.time.sleep(3600)
-            assert recorded.slept[-1] == 3600
-        finally:
-            running.stdin.close()
-    exited = _ray_on_spark_module(in_use=False)
-    recorded = exited.time
-    exited.time = _HeadStartWait(exited)
-    _after_head_launch(exited, running)  # not listening, but the head has exited
-    assert 3600 not in recorded.slept and all(s <= 0.1 for s in recorded.slept)
+    recorded = module.time
+    module.time = _HeadStartWait(module, lambda: next(checks))
+    module.time.sleep(module._RAY_HEAD_STARTUP_TIMEOUT)  # up at the third look
+    assert recorded.slept == [] and next(checks, "spent") == "spent"
+    module.time.sleep(3)  # another sleep is the caller's own
+    assert recorded.slept == [3]
+    other = threading.Thread(target=module.time.sleep, args=(3600,))
+    other.start()  # the same sleep on another thread: the real one
+    other.join()
+    assert recorded.slept == [3, 3600]
 
 
 def test_the_head_wait_is_swapped_in_only_around_the_setup_and_matches_ray_on_spark():
     import inspect
 
+    import ray
+    from ray._private import services
     from ray.util.spark import cluster_init
 
-    from hybrid_iter._runtime.ray_on_spark import _head_start_polled
+    from hybrid_iter._session.ray_on_spark import _head_start_polled, _new_gcs
 
     with _head_start_polled():
         assert type(cluster_init.time).__name__ == "_HeadStartWait"
         assert cluster_init.time.monotonic is time.monotonic
     assert cluster_init.time is time
-    # the shape of Ray on Spark's setup the wait reads: a change in Ray would only make
-    # the wait the full 20 s again, which this says first
+    # no Ray started during the call: no new head (this test's own Ray is not new)
+    services.find_gcs_addresses.cache_clear()
+    assert _new_gcs(frozenset(services.find_gcs_addresses()))() is False
+    # read from Ray 2.60's Ray on Spark: a sleep of that name after the head's launch,
+    # and Ray's finder of local clusters. A Ray without them keeps its 20 s sleep (the
+    # stand-in is not put in); this says so first, naming the Ray it runs on
     source = inspect.getsource(cluster_init._setup_ray_cluster)
-    assert "time.sleep(_RAY_HEAD_STARTUP_TIMEOUT)" in source
-    for name in ("ray_head_ip", "ray_head_port", "ray_head_proc", "is_port_in_use("):
-        assert name in source
+    assert "time.sleep(_RAY_HEAD_STARTUP_TIMEOUT)" in source, ray.__version__
+    assert hasattr(services.find_gcs_addresses, "cache_clear"), ray.__version__
 
 
 # -- on a local-cluster master (the subprocess) ------------------------------------------

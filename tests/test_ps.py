@@ -619,7 +619,7 @@ def test_a_shard_that_cannot_start_fails_the_run_naming_why(regression, monkeypa
     shard gone; the run's error is the shard's own (its constructor refused its spec),
     not a lost actor. A spec whose initial values do not fit its key range stands for
     any failure to start."""
-    from hybrid_iter.ps import _train
+    from hybrid_iter.ps import _shards
 
     df, _, _, _ = regression
 
@@ -627,7 +627,7 @@ def test_a_shard_that_cannot_start_fails_the_run_naming_why(regression, monkeypa
         kw["init"] = np.zeros(len(kw["init"]) + 1)
         return ShardSpec(**kw)
 
-    monkeypatch.setattr(_train, "ShardSpec", misfit)
+    monkeypatch.setattr(_shards, "ShardSpec", misfit)
     with pytest.raises(hi.IterationConfigError, match=r"could not start.*initial values"):
         ps.train(
             df,

@@ -167,7 +167,7 @@ def test_a_shard_sigkilled_over_the_endpoint_serves_again_and_the_run_ends_bit_f
         assert "error" not in got, got.get("error")
         [restore] = out.restores
         assert restore["discarded_updates"][1] is None  # lost with its process
-        assert out.result.extra["attempts"], "the stage was relaunched"
+        assert out.result.attempts, "the stage was relaunched"
         assert out.shards[1]["pid"] != got["pid"]  # a new process, serving the same address
         np.testing.assert_array_equal(out.lookup("w", keys), want[0])
         np.testing.assert_array_equal(out.lookup("v", keys), want[1])

@@ -133,10 +133,10 @@ def _wait_up(names: list[str]) -> None:
 
 def _drain(kind: Any) -> list[str]:
     """Take every spare of ``kind`` out of the pool and kill it: the next run has none."""
-    from hybrid_iter._runtime import placement
+    from hybrid_iter._cluster import placement, spares
 
     drained = []
-    while placement.spares(kind):
+    while spares.spares(kind):
         got = placement.take_spare(kind, "__ray_ready__")  # taken as it is: not configured
         if got is not None:
             handle, name = got
@@ -148,9 +148,9 @@ def _drain(kind: Any) -> list[str]:
 def test_runs_take_the_spare_shards_and_train_the_same_model_as_fresh_ones(session, tmp_path):
     import ray
 
-    from hybrid_iter._runtime import placement
+    from hybrid_iter._cluster import spares
     from hybrid_iter.ps import TrainFailedError
-    from hybrid_iter.ps._train import keep_shard_spares, shard_kind, table_shards
+    from hybrid_iter.ps._shards import keep_shard_spares, shard_kind, table_shards
     from spark_ops import available_task_slots
 
     slots = available_task_slots(session.spark)
@@ -170,20 +170,20 @@ def test_runs_take_the_spare_shards_and_train_the_same_model_as_fresh_ones(sessi
         # other tests' runs in the shared session took and refilled the pool (a run with
         # fewer shards refills fewer): it holds at least this run's count, all up
         keep_shard_spares(kind, need)
-        before = placement.spares(kind)
+        before = spares.spares(kind)
         _wait_up(before)
         first = _run(df)
         # the run's shards are the pool's processes (the oldest), configured by the run
         assert len(first["names"]) == need
         assert first["names"] == before[:need]
         # ... and they never go back to the pool: the run's end starts new spares
-        after_first = placement.spares(kind)
+        after_first = spares.spares(kind)
         assert len(after_first) >= need
         assert not set(after_first) & set(first["names"])
 
         # no spare: the run starts its own shards, and trains the same model
         assert _drain(kind) == after_first
-        assert placement.spares(kind) == []
+        assert spares.spares(kind) == []
         cold = _run(df)
         assert all(".shard" in n and "spare" not in n for n in cold["names"])
         assert len(cold["names"]) == need
@@ -191,7 +191,7 @@ def test_runs_take_the_spare_shards_and_train_the_same_model_as_fresh_ones(sessi
         assert cold["model"] == first["model"]
 
         # a pooled shard killed from outside mid-run fails the run, naming the lost shard
-        after_cold = placement.spares(kind)
+        after_cold = spares.spares(kind)
         assert len(after_cold) >= need and not set(after_cold) & set(after_first)
         _wait_up(after_cold)
         killed = _killed_run(df, after_cold[0], tmp_path)
@@ -200,7 +200,7 @@ def test_runs_take_the_spare_shards_and_train_the_same_model_as_fresh_ones(sessi
         assert "parameter shard died" in str(killed["error"])
         assert after_cold[0] in str(killed["error"])  # the failure's detail names the actor
         # the dead spare is not taken again: the next run runs on the pool's fresh spares
-        after_killed = placement.spares(kind)
+        after_killed = spares.spares(kind)
         assert after_cold[0] not in after_killed
         _wait_up(after_killed)
         again = _run(df)
@@ -209,8 +209,8 @@ def test_runs_take_the_spare_shards_and_train_the_same_model_as_fresh_ones(sessi
         assert not set(again["names"]) & set(after_cold)
         assert again["model"] == first["model"]
         # later tests find the pool refilled and up
-        assert len(placement.spares(kind)) >= need
-        _wait_up(placement.spares(kind))
+        assert len(spares.spares(kind)) >= need
+        _wait_up(spares.spares(kind))
     finally:
         df.unpersist()
 
@@ -232,7 +232,7 @@ def test_a_dense_runs_shards_serve_the_next_run_emptied_and_it_trains_the_same_m
     """A dense model is all on the driver once its run ends: its shards go back to the
     pool emptied (their processes are up, so the next run skips their start) instead of
     ending, and a run on them trains the bit-for-bit same model as on new shards."""
-    from hybrid_iter.ps._train import shard_kind
+    from hybrid_iter.ps._shards import shard_kind
 
     rng = np.random.default_rng(2)
     rows = [([float(v) for v in rng.normal(size=3)], float(rng.normal())) for _ in range(120)]
@@ -242,9 +242,9 @@ def test_a_dense_runs_shards_serve_the_next_run_emptied_and_it_trains_the_same_m
     kind = shard_kind(True, None, False, PARTS)
     _drain(kind)  # only this test's shards in the pool
     first_pids, first = _dense_run(df)
-    from hybrid_iter._runtime import placement
+    from hybrid_iter._cluster import spares
 
-    assert len(placement.spares(kind)) == len(first_pids)  # kept, not ended
+    assert len(spares.spares(kind)) == len(first_pids)  # kept, not ended
     second_pids, second = _dense_run(df)
     assert second_pids == first_pids  # the same processes served the next run
     assert second == first

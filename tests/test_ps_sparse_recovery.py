@@ -192,7 +192,7 @@ def test_a_shard_sigkilled_mid_run_is_restored_and_a_sync_run_ends_bit_for_bit(d
         [restore] = out.restores
         assert restore["discarded_updates"][1] is None  # lost with its process
         assert all(restore["discarded_updates"][s] >= 0 for s in (0, 2))
-        assert out.result.extra["attempts"], "the stage was relaunched"
+        assert out.result.attempts, "the stage was relaunched"
         np.testing.assert_array_equal(out.lookup("w", keys), want_w)
         np.testing.assert_array_equal(out.lookup("v", keys), want_v)
         np.testing.assert_array_equal(out.params["a"], want[0])

@@ -515,7 +515,7 @@ def test_hot_keys_merges_the_shards_top_keys_into_the_global_top():
 
 
 def test_a_model_with_tables_gets_a_second_shard_only_with_cpus_to_spare():
-    from hybrid_iter.ps._train import TABLE_SHARDS, table_shards
+    from hybrid_iter.ps._shards import TABLE_SHARDS, table_shards
 
     # 2 tasks on a 2-core cluster: the second shard's round trip and process cost more
     # than the apply work it takes over

@@ -206,7 +206,8 @@ def test_a_real_shard_actors_refusal_reaches_the_pusher_as_itself(spark):
     shards keep their values."""
     import ray
 
-    from hybrid_iter.ps._train import _Shards, launch_shards, stop_shards
+    from hybrid_iter.ps._client import Shards as _Shards
+    from hybrid_iter.ps._shards import launch_shards, stop_shards
 
     names, handles = launch_shards(np.zeros(6), [0, 3, 6], ps.SGD(0.5), num_workers=1, sync=False)
     try:

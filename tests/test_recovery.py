@@ -146,7 +146,7 @@ def test_an_operator_keeping_a_copy_of_the_variables_restores_bit_for_bit(
         checkpoint=hi.CheckpointConfig(str(tmp_path), every_epochs=4),
         hooks=FaultInjection(fail_partition=1, at_epoch=10),
     )
-    assert faulty.extra["checkpoint"]["restored_from"].endswith("chk-0000000008.ckpt")
+    assert faulty.checkpoint["restored_from"].endswith("chk-0000000008.ckpt")
     assert faulty.variables["w"].tobytes() == clean.variables["w"].tobytes()
     assert faulty.outputs["w0"] == clean.outputs["w0"]
 
@@ -159,7 +159,7 @@ def test_an_operator_without_snapshot_state_is_checkpointed_whole(df, clean_coun
         checkpoint=hi.CheckpointConfig(str(tmp_path), every_epochs=4),
         hooks=FaultInjection(fail_partition=0, at_epoch=14),
     )
-    assert faulty.extra["checkpoint"]["restored_from"].endswith("chk-0000000012.ckpt")
+    assert faulty.checkpoint["restored_from"].endswith("chk-0000000012.ckpt")
     assert faulty.variables["w"].tobytes() == clean.variables["w"].tobytes()
 
 
@@ -177,8 +177,8 @@ def test_a_sigkilled_python_worker_is_recovered_bit_for_bit(df, clean_counting, 
         done.set()
         killer.join()
     assert marker.exists()
-    assert len(faulty.extra["attempts"]) == 1
-    assert faulty.extra["checkpoint"]["restored_from"].endswith("chk-0000000010.ckpt")
+    assert len(faulty.attempts) == 1
+    assert faulty.checkpoint["restored_from"].endswith("chk-0000000010.ckpt")
     assert faulty.variables["w"].tobytes() == clean.variables["w"].tobytes()
 
 
@@ -197,7 +197,7 @@ def test_a_sigkilled_coordinator_process_is_restarted_bit_for_bit(df, clean_copy
         done.set()
         killer.join()
     assert marker.exists()
-    info = faulty.extra["checkpoint"]
+    info = faulty.checkpoint
     assert info["restored_from"].endswith("chk-0000000009.ckpt")
     assert faulty.variables["w"].tobytes() == clean.variables["w"].tobytes()
 
@@ -225,7 +225,7 @@ def test_a_corrupt_output_segment_does_not_make_resume_impossible(df, clean_copy
         df, CopyingGrad(), checkpoint=hi.CheckpointConfig(directory), resume_from=directory
     )
     assert resumed.variables["w"].tobytes() == clean.variables["w"].tobytes()
-    skipped = dict(resumed.extra["checkpoint"]["skipped"])
+    skipped = dict(resumed.checkpoint["skipped"])
     assert "authentication failed" in skipped[str(segment)]
     assert len(resumed.outputs["w0"]) == len(clean.outputs["w0"]) - 1  # epoch 4's record
 

@@ -92,7 +92,7 @@ def test_per_round_operators_see_exactly_their_round(zero_to_999):
         hi.IterationConfig(operator_lifecycle=PER_ROUND, parallelism=4),
         hi.IterationBody(RoundSum(), RoundCoordinator(), criteria=hi.TerminateOnMaxIter(5)),
     )
-    assert (result.terminated_by, result.epochs, result.extra["rounds"]) == ("criteria", 5, 5)
+    assert (result.terminated_by, result.epochs, result.replay.rounds) == ("criteria", 5, 5)
     rounds = by_epoch(result.outputs["round"])
     # rounds 0-4 read the data; round 5, into which the variables of round 4 were fed
     # back, still runs its per-round operators before termination (as in Flink ML), with
@@ -214,7 +214,7 @@ def test_replayed_gradient_descent_equals_numpy(spark, lifecycle):
     w, _, losses = numpy_linreg(X, y, 0.4, 8)
     np.testing.assert_allclose(result.variables["w"], w, atol=1e-9)
     np.testing.assert_allclose(result.outputs["loss"], losses, rtol=1e-9)
-    assert "Disk" in result.extra["replay_storage"] and "Memory" in result.extra["replay_storage"]
+    assert "Disk" in result.replay.storage_level and "Memory" in result.replay.storage_level
 
 
 # -- errors ------------------------------------------------------------------------------

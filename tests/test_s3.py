@@ -121,7 +121,7 @@ def test_checkpoints_restore_and_resume_from_the_bucket(s3, df, clean, scheme):
     # the relaunch restored epoch 8 from the bucket and ended bit for bit as without fault
     assert result.variables["w"].tobytes() == clean.variables["w"].tobytes()
     assert result.outputs["w0"] == clean.outputs["w0"]
-    assert result.extra["checkpoint"]["restored_from"] == f"{bucket}/runs/ckpt/chk-0000000008.ckpt"
+    assert result.checkpoint["restored_from"] == f"{bucket}/runs/ckpt/chk-0000000008.ckpt"
     keys = s3.keys(bucket)
     assert [k for k in keys if "/chk-" in k] == [  # keep_last=2, pruned in the bucket too
         "runs/ckpt/chk-0000000032.ckpt",
@@ -232,7 +232,7 @@ def test_a_checkpoint_location_spark_cannot_open_fails_before_any_job(
     connector of its scheme the error says what to add, before any job or actor."""
     import ray
 
-    from hybrid_iter._runtime.ray_util import NAMESPACE
+    from hybrid_iter._cluster.ray_util import NAMESPACE
 
     def online_actors():
         return {

@@ -1,4 +1,4 @@
-"""A session warms in the background what every run needs (DESIGN.md section 8): a spare
+"""A session warms in the background what every run needs (docs/design.md, "Performance"): a spare
 coordinator, the array store, Spark's Python workers with our modules imported and Ray
 joined. The first runs take what it made; it never changes a result; a session stopped
 while it runs stops cleanly. Each case in a process of its own (``warm_up_job.py``):
@@ -74,7 +74,7 @@ def test_an_entry_point_says_a_run_is_coming_before_it_starts_an_actor(session, 
 
     from hybrid_iter import ml, ps
     from hybrid_iter._runtime import array_store
-    from hybrid_iter.ps import _train
+    from hybrid_iter.ps import _shards, _train
 
     warm = session._warm
     assert warm is not None
@@ -87,7 +87,7 @@ def test_an_entry_point_says_a_run_is_coming_before_it_starts_an_actor(session, 
 
         return called
 
-    monkeypatch.setattr(_train, "_start", watch("shards", _train._start))
+    monkeypatch.setattr(_train, "start_shards", watch("shards", _shards.start_shards))
     monkeypatch.setattr(array_store, "_store", watch("store", array_store._store))
     df = spark.createDataFrame(
         [([float(i), 1.0], float(i % 3)) for i in range(40)], "x array<double>, y double"

@@ -46,9 +46,9 @@ def test_attach_and_a_nested_local_session_leave_spark_and_ray_running(session):
 
 def test_default_parallelism_is_every_task_slot(spark):
     result = small_fit(frame(spark, SLOTS))
-    assert result.num_partitions == SLOTS and result.extra["repartitioned"] is False
+    assert result.num_partitions == SLOTS and result.repartitioned is False
     result = small_fit(frame(spark, 1))  # fewer partitions than slots: spread over all
-    assert result.num_partitions == SLOTS and result.extra["repartitioned"] is True
+    assert result.num_partitions == SLOTS and result.repartitioned is True
     assert sum(result.rows) == 40
 
 
@@ -88,7 +88,7 @@ def test_large_variables_go_through_the_object_store_once_per_version(spark):
         assert [s[3] for s in mine] == [0.0, 1.0, 2.0, 3.0, 4.0]
         assert not any(s[2] for s in mine)
     # one put per version, shared by both subtasks (not one per subtask)
-    assert result.extra["object_store_puts"] == 5
+    assert result.object_store_puts == 5
     assert float(result.variables["w"][0]) == 4.0
 
 
@@ -155,7 +155,7 @@ def test_coordinator_resources_are_checked_before_anything_runs(session, spark, 
 
 
 def test_the_coordinator_goes_where_coordinator_resources_say(spark):
-    from hybrid_iter._runtime import placement as _placement
+    from hybrid_iter._cluster import placement as _placement
 
     assert _placement.coordinator_actor_options() == {}  # one node: nowhere else to go
     head = {"node:__internal_head__": 0.001}

@@ -59,7 +59,7 @@ class Summer(hi.CoordinatorOperator):
         self.acc, self.calls = None, 0
         if epoch < self.last:
             out.criteria()
-            # the feedback edge is publish_variables (DESIGN.md section 3): keep it alive
+            # the feedback edge is publish_variables (docs/semantics.md): keep it alive
             out.publish_variables(w=np.zeros(1))
 
 
@@ -133,7 +133,7 @@ def test_a_killed_coordinator_restores_a_tree_run_to_the_same_bits(data, tmp_pat
         },
         **tree,
     )
-    assert killed.extra["attempts"], "the fault did not happen"
+    assert killed.attempts, "the fault did not happen"
     assert clean.epochs == killed.epochs == 5
     for a, b in zip(clean.outputs["total"], killed.outputs["total"], strict=True):
         assert np.array_equal(a[0], b[0]) and a[1:] == b[1:]
@@ -470,7 +470,7 @@ def test_a_root_aggregator_killed_from_outside_fails_the_run_naming_it(data, tmp
 
 def test_aggregator_actors_are_placed_where_their_coordinator_was(session):
     """The coordinator tier's placement rule (the head node, or the configured resources:
-    ``hybrid_iter/_runtime/placement.py``) reaches the aggregators: they ask for the
+    ``hybrid_iter/_cluster/placement.py``) reaches the aggregators: they ask for the
     custom resources the coordinator actor holds, so they go where it went."""
     import ray
 

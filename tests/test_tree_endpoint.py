@@ -113,7 +113,7 @@ def test_a_group_killed_from_outside_is_restored_to_the_same_bits(data, tmp_path
     ck = hi.CheckpointConfig(str(tmp_path / "ck"), every_epochs=2)
     killed = _killed_run(data, flag, transport, checkpoint=ck)
     assert flag.read_text() != "None"  # a group was found and killed
-    (failed,) = killed.extra["attempts"]
+    (failed,) = killed.attempts
     died = "ActorDiedError" if transport == "ray" else "the feedback group endpoint at 127.0.0.1:"
     assert died in failed
     assert clean.epochs == killed.epochs == 5

@@ -99,16 +99,17 @@ def main(case: str) -> int:
     import ray
 
     import hybrid_iter as hi
-    from hybrid_iter import _session
-    from hybrid_iter._runtime import array_store, placement
+    from hybrid_iter._cluster import spares, warm_up
+    from hybrid_iter._runtime import array_store
+    from hybrid_iter._runtime.iterate import coordinator_kind
 
     report: dict[str, Any] = {}
     if case == "closed":
         # every warm-up task imports warm_up_block, which holds it (the directory is
         # in HYBRID_ITER_TEST_BLOCK_DIR, set by the test; PYTHONPATH reaches the workers)
-        _session._WORKER_MODULES = (*_session._WORKER_MODULES, "warm_up_block")
+        warm_up.WORKER_MODULES = (*warm_up.WORKER_MODULES, "warm_up_block")
         # nothing else runs here: the warm-up need not wait 5 s for a quiet Spark
-        _session._QUIET_BEFORE_WARM_UP = 1.0
+        warm_up.QUIET_BEFORE_WARM_UP = 1.0
         block = Path(os.environ["HYBRID_ITER_TEST_BLOCK_DIR"])
         session = hi.Session.local(2)
         deadline = time.monotonic() + 300
@@ -139,7 +140,7 @@ def main(case: str) -> int:
     if case == "same":
         # Spark never counts as quiet until the first fits have run: neither the user's
         # first jobs nor the fits' coming start the warm-up
-        _session._QUIET_BEFORE_WARM_UP = float("inf")
+        warm_up.QUIET_BEFORE_WARM_UP = float("inf")
     with hi.Session.local(2) as session:
         df = _data(session.spark)
         if case == "same":
@@ -148,26 +149,26 @@ def main(case: str) -> int:
             report["started_before_quiet"] = warm._tag is not None or any(
                 warm.report[k] for k in ("spare", "store", "shard_spares", "python_workers")
             )
-            _session._QUIET_BEFORE_WARM_UP = 0.0  # now it starts, beside the next fits
+            warm_up.QUIET_BEFORE_WARM_UP = 0.0  # now it starts, beside the next fits
             report["during"] = _fits(df)
             report["warm"] = session.warmed(600)
             report["after"] = _fits(df)
         else:
             warmed = session.warmed(600)
             report["warm"] = warmed
-            kind = _session._coordinator_kind()
-            report["spares_before"] = placement.spares(kind)
+            kind = coordinator_kind(1)  # the warm-up's kind
+            report["spares_before"] = spares.spares(kind)
             got = array_store._store(create=False)
             report["store_before"] = None if got is None else got[1]
             report["iterate_pids"] = _iterate_pids(session.spark)
-            report["spares_after_iterate"] = placement.spares(kind)
+            report["spares_after_iterate"] = spares.spares(kind)
             from hybrid_iter import ml
 
             ml.LinearRegression(features_col=["a", "b", "c"], label_col="y", progress=False).fit(df)
             got = array_store._store(create=False)
             report["store_after"] = None if got is None else got[1]
             report["store_stats"] = array_store.store_stats()
-            report["spares_after_fit"] = placement.spares(kind)
+            report["spares_after_fit"] = spares.spares(kind)
     print(RESULT_PREFIX + json.dumps(report), flush=True)
     return 0
 

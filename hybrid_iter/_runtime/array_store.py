@@ -50,6 +50,7 @@ from typing import Any
 
 from spark_ops import CachedSource, persisted_rdd_ids
 
+from .._cluster.spares import register_warmer
 from .._errors import StoredArraysLost
 
 log = logging.getLogger(__name__)
@@ -247,7 +248,7 @@ def _store(create: bool) -> tuple[Any, str] | None:
 
     import ray
 
-    from .placement import actor_class, launch
+    from .._cluster.placement import actor_class, launch
 
     if not ray.is_initialized():
         return None
@@ -269,15 +270,27 @@ def start_store() -> tuple[Any, str] | None:
 
 
 def drop_store() -> None:
-    """Kill this driver's store actor, if any, and forget it (``Session.stop``, before
-    its Ray goes); never raises."""
-    from .placement import kill
+    """Kill this driver's store actor, if any, and forget it (its cluster's Ray ends:
+    ``hybrid_iter._cluster.spares.drop_spares``); never raises."""
+    from .._cluster.placement import kill
 
     with _STORES_LOCK:
         doomed = list(_STORES.values())
         _STORES.clear()
     for handle, name in doomed:
         kill(handle, f"the array store {name}")
+
+
+def _warm_store(ctx: Any) -> tuple[str | None, list[Any]]:
+    """The warm-up's step: this driver's store started ahead of the first fit."""
+    got = start_store()
+    if got is None:
+        return None, []
+    handle, name = got
+    return name, [handle.ready.remote()]
+
+
+register_warmer("store", 20, _warm_store, forget=drop_store)
 
 
 def _lost(handle: Any, ex: BaseException) -> None:
@@ -344,10 +357,10 @@ def plan_reuse(
         return None
     import ray
 
-    from .iterate import _ray_address
-    from .ray_util import NAMESPACE, connect
+    from .._cluster import context as cluster
+    from .._cluster.ray_util import NAMESPACE, connect
 
-    connect(_ray_address(spark), namespace=NAMESPACE)
+    connect(cluster.ray_address(spark), namespace=NAMESPACE)
     got = _store(create=True)
     assert got is not None
     handle, name = got
@@ -415,7 +428,7 @@ _HANDLES: dict[str, Any] = {}
 def _handle(name: str) -> Any:
     import ray
 
-    from .ray_util import NAMESPACE
+    from .._cluster.ray_util import NAMESPACE
 
     handle = _HANDLES.get(name)
     if handle is None:

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import enum
 import re
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from coordinator import (
     CallTimeout,
@@ -43,7 +45,10 @@ from .._errors import (
     StoredArraysLost,
     UsageError,
     VariablesMismatchError,
+    WorkerDiedError,
 )
+
+T = TypeVar("T")
 
 __all__ = [
     "Decision",
@@ -52,6 +57,7 @@ __all__ = [
     "RunState",
     "RunStateError",
     "Verdict",
+    "relaunch_if_worker_died",
 ]
 
 
@@ -261,3 +267,27 @@ class RunController:
         """An error outside an attempt's stage ended the run."""
         if self.state is not RunState.FINISHED:
             self.state = RunState.FAILED
+
+
+def relaunch_if_worker_died(owner: str, run: Callable[[], T]) -> T:
+    """``run()``, once more when a Spark Python worker died under it
+    (``WorkerDiedError``: killed, out of memory; no exception of user code). A fit is a
+    function of its data and parameters, so the relaunch gives the same model (bit for
+    bit in sync mode); a second death fails naming the partition."""
+    try:
+        return run()
+    except WorkerDiedError as first:
+        warnings.warn(f"{owner}: {first.what}; relaunching the fit once", UserWarning, stacklevel=3)
+    try:
+        return run()
+    except WorkerDiedError as again:
+        raise WorkerDiedError(
+            f"{owner} failed: a Spark Python worker died, the fit was relaunched once and a "
+            f"worker died again; {again.message.removeprefix('the iteration failed: ')}",
+            again.failures,
+            again.partition,
+            again.signal,
+            again.exit_code,
+            again.report,
+            again.spark_message,
+        ) from again

@@ -104,15 +104,14 @@ def refuse_stopped_session(df: Any, what: str) -> None:
         )
 
 
-def runs_coming() -> None:
-    """Tell the current session's background warm-up that a run is starting
-    (``Session._runs_coming``): an entry point calls it once its arguments are checked,
-    before it starts actors of its own, so that the warm-up does not start beside them."""
-    from .._session import Session
+def runs_coming(spark: Any = None) -> None:
+    """Tell the cluster a run is starting (``ClusterContext.run_coming``: the session's
+    background warm-up waits for it): an entry point calls it once its arguments are
+    checked, before it starts actors of its own, so that the warm-up does not start
+    beside them."""
+    from .._cluster.context import announce_run
 
-    session = Session.current()
-    if session is not None:
-        session._runs_coming()
+    announce_run(spark)
 
 
 def check_init_variables(init_variables: Any) -> dict[str, Any]:

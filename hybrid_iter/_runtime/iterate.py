@@ -33,7 +33,6 @@ from coordinator._identity import bounded_checkpoint_spec
 from spark_ops import (
     BarrierStage,
     ReplayPlan,
-    available_task_slots,
     exact_num_partitions,
     num_partitions,
     python_worker_death,
@@ -42,6 +41,18 @@ from spark_ops import (
 from spark_ops._spark_compat import JobTag
 
 from .._body import IterationBody
+from .._cluster import context as cluster
+from .._cluster.placement import (
+    ActorKind,
+    Launched,
+    actor_class,
+    coordinator_resources,
+    kill,
+    launch_held,
+)
+from .._cluster.ray_util import NAMESPACE
+from .._cluster.slots import task_slots, wait_for_task_slots
+from .._cluster.spares import keep_spare, register_warmer, retire_as_spare, spares, take_spare
 from .._config import IterationConfig, OperatorLifecycle
 from .._errors import (
     ConfigTypeError,
@@ -51,25 +62,14 @@ from .._errors import (
     SessionError,
     WorkerDiedError,
 )
-from .._result import IterationResult
-from .._session import Session
+from .._result import IterationResult, ReplayInfo
 from .._streams import ReplayableDataStreamList
 from .controller import RunController, RunState
 from .endpoint import EndpointPlan
 from .entry import check_entry
 from .feedback_combine import tree_spec
 from .metrics import RunMeter, bounded_description, bounded_meter
-from .placement import (
-    Launched,
-    actor_class,
-    keep_spare,
-    kill,
-    launch_held,
-    retire_as_spare,
-    take_spare,
-)
 from .progress import ProgressPrinter
-from .ray_util import NAMESPACE
 from .shipping import dumps
 from .task import TaskPlan, run_round, run_subtask
 
@@ -78,18 +78,38 @@ __all__ = ["iterate_bounded_streams_until_termination", "node_local_refusal"]
 log = logging.getLogger("hybrid_iter")
 
 
-def _ray_address(spark: Any) -> str:
-    session = Session.current()
-    if session is not None and session.spark is spark:
-        return session.ray_address
-    import ray
+def coordinator_kind(subtasks: int, restarts: int = 0) -> ActorKind:
+    """The coordinator actor of a run of ``subtasks`` subtasks that Ray restarts
+    ``restarts`` times (the spare pool's key: the warm-up's spare is of this kind).
 
-    if ray.is_initialized():
-        return ray.get_runtime_context().gcs_address
-    raise SessionError(
-        "no Ray instance: run inside `with hybrid_iter.Session.local():` (or Session.raydp / "
-        "Session.attach), or call ray.init() before iterating"
+    Every subtask waits in one call at a time, plus the driver's progress poll: an async
+    actor answering more calls than ``max_concurrency`` at once would deadlock. With
+    checkpoints Ray restarts a coordinator whose process died; it reloads the newest
+    checkpoint and the relaunched tasks find it again by name. ``busy`` answers on its
+    own event loop thread while the main one is stuck in a coordinator operator (the
+    driver's call_timeout watchdog asks it)."""
+    return actor_class(
+        IterationCoordinator,
+        max_restarts=restarts,
+        max_concurrency=max(1000, subtasks + 16),
+        concurrency_groups={"watch": 1},
     )
+
+
+#: what a spare coordinator started ahead imports: the coordinator operators of the fits
+_SPARE_MODULES = ("hybrid_iter.ml",)
+
+
+def _warm_coordinator(ctx: cluster.ClusterContext) -> tuple[str | None, list[Any]]:
+    """The warm-up's spare coordinator: of the kind of any run without checkpoints of up
+    to 984 subtasks."""
+    kind = coordinator_kind(1)
+    started = keep_spare(kind, _SPARE_MODULES, count=1)
+    names = spares(kind)
+    return (names[0] if names else None), [h.__ray_ready__.remote() for h in started]
+
+
+register_warmer("spare", 10, _warm_coordinator)
 
 
 def _validate(
@@ -185,19 +205,6 @@ def _worker_died(error: BaseException) -> WorkerDiedError | None:
     )
 
 
-def _task_slots(spark: Any, parallelism: int | None) -> int:
-    """The task slots a barrier stage may use. A Spark Connect client knows them only
-    from the server's configuration; when that says nothing, a given ``parallelism`` is
-    taken as the caller's word (Spark itself refuses a barrier stage larger than the
-    cluster), and without one the error asks for it."""
-    from spark_ops._spark_compat import connect_task_slots, is_connect
-
-    if parallelism is not None and is_connect(spark):
-        known = connect_task_slots(spark)
-        return parallelism if known is None else known
-    return available_task_slots(spark)
-
-
 _ENDPOINT_FAILURE = re.compile(r"coordinator\._errors\.(Endpoint\w*): (.+)")
 
 
@@ -226,11 +233,7 @@ def _wait_for_slots(
     replaces it; Spark would then hold the stage without a word. Wait for them, bounded,
     and else fail naming the cause (the checkpoints stay for a resume)."""
     limit = min(SLOT_WAIT_SECONDS, float(config.call_timeout))
-    deadline = time.monotonic() + limit
-    slots = _task_slots(spark, config.parallelism)
-    while slots < n and time.monotonic() < deadline:
-        time.sleep(0.5)  # polling an external registration (executors), bounded
-        slots = _task_slots(spark, config.parallelism)
+    slots = wait_for_task_slots(spark, n, limit, config.parallelism)
     if slots >= n:
         return
     where = ""
@@ -256,7 +259,7 @@ def iterate_bounded_streams_until_termination(
     config: IterationConfig,
     body: IterationBody,
 ) -> IterationResult:
-    """Run ``body`` over bounded DataFrames until it terminates; see DESIGN.md section 3.
+    """Run ``body`` over bounded DataFrames until it terminates; see docs/semantics.md.
 
     ``init_variables`` are the variables at epoch 0 (numpy arrays or numbers, by name);
     the coordinator tier publishes new versions with ``out.publish_variables``.
@@ -265,7 +268,7 @@ def iterate_bounded_streams_until_termination(
     started_wall = time.time()
     variables, streams, partitions = _validate(init_variables, data_streams, config, body)
     spark = streams.dataframes[0].sparkSession
-    slots = _task_slots(spark, config.parallelism)
+    slots = task_slots(spark, config.parallelism)
     if slots < 1:
         raise IterationConfigError(
             "Spark has no task slots (no executor is registered); start executors or use "
@@ -290,12 +293,12 @@ def iterate_bounded_streams_until_termination(
         (body.coordinator, body.per_round_coordinator, list(body.coordinator_listeners)),
         "the coordinator operators or listeners",
     )
-    address = _ray_address(spark)
+    address = cluster.of(spark).ray_address
     per_round = config.operator_lifecycle is OperatorLifecycle.PER_ROUND
     tree = tree_spec(body, config.staleness)  # feedback_combine: refused here if async
     endpoint = EndpointPlan.of(config, spark)  # None: the subtasks use Ray
 
-    from .ray_util import connect
+    from .._cluster.ray_util import connect
 
     connect(address, namespace=NAMESPACE)
     checkpoint = bounded_checkpoint_spec(
@@ -323,6 +326,7 @@ def iterate_bounded_streams_until_termination(
         checkpoint=checkpoint,
         hooks=config.hooks,
         tree=tree,
+        placement=coordinator_resources() if tree is not None else {},
     )
     plan = TaskPlan(
         ray_address=address,
@@ -343,18 +347,7 @@ def iterate_bounded_streams_until_termination(
         checkpoint_every=checkpoint.every_epochs if checkpoint is not None else 0,
         max_epochs=config.max_epochs,
     )
-    # Every subtask waits in one call at a time, plus the driver's progress poll: an
-    # async actor answering more calls than max_concurrency at once would deadlock. With
-    # checkpoints Ray restarts a coordinator whose process died; it reloads the newest
-    # checkpoint and the relaunched tasks find it again by name.
-    actor_cls = actor_class(
-        IterationCoordinator,
-        max_restarts=config.restarts if checkpoint is not None else 0,
-        max_concurrency=max(1000, n + 16),
-        # ``busy`` answers on its own event loop thread while the main one is stuck in
-        # a coordinator operator (the driver's call_timeout watchdog asks it)
-        concurrency_groups={"watch": 1},
-    )
+    actor_cls = coordinator_kind(n, config.restarts if checkpoint is not None else 0)
     # what a spare coordinator imports ahead: the modules of this run's operators
     warm = sorted(
         {
@@ -363,7 +356,8 @@ def iterate_bounded_streams_until_termination(
             if op is not None and type(op).__module__ != "__main__"
         }
     )
-    extra: dict[str, Any] = {}
+    #: what the result says of how the run went (``IterationResult``'s typed fields)
+    facts: dict[str, Any] = {}
     run = RunController(
         config.restarts,
         checkpoint_uri=checkpoint.uri if checkpoint is not None else None,
@@ -392,7 +386,7 @@ def iterate_bounded_streams_until_termination(
             run.running()
             try:
                 if streams.any_replayed:
-                    _run_rounds(monitor, run_plan, streams, n, extra)
+                    _run_rounds(monitor, run_plan, streams, n, facts)
                 else:
                     stage = BarrierStage(
                         streams.dataframes,
@@ -401,9 +395,9 @@ def iterate_bounded_streams_until_termination(
                         partitions=partitions[0],
                     )
                     monitor.run(stage.run)
-                    extra["repartitioned"] = stage.repartitioned
+                    facts["repartitioned"] = bool(stage.repartitioned)
                 data = monitor.finish()
-                extra["checkpoint"] = _call(actor, "checkpoint_info")
+                facts["checkpoint"] = _call(actor, "checkpoint_info")
                 run.finished()
             except BaseException as ex:
                 run.checkpointed(monitor.checkpointed)
@@ -444,9 +438,7 @@ def iterate_bounded_streams_until_termination(
             kill(actor, f"the coordinator actor {name}")
         if checkpoint is None:
             keep_spare(actor_cls, warm)
-    extra["attempts"] = list(run.failed_attempts)
-    if run.restores:
-        extra["restores"] = [(r.found, r.expected) for r in run.restores]
+
     times = data.alignment_times
     return IterationResult(
         variables=data.variables,
@@ -462,11 +454,13 @@ def iterate_bounded_streams_until_termination(
         mode=config.mode,
         seconds=time.perf_counter() - started,
         load_seconds=(times[0] - started_wall) if times else 0.0,
-        extra={
-            **extra,
-            "publishes": data.publishes,
-            "object_store_puts": data.object_store_puts,
-        },
+        attempts=tuple(run.failed_attempts),
+        restores=tuple((r.found, r.expected) for r in run.restores),
+        checkpoint=facts.get("checkpoint"),
+        repartitioned=facts.get("repartitioned", False),
+        publishes=data.publishes,
+        object_store_puts=data.object_store_puts,
+        replay=facts.get("replay"),
     )
 
 
@@ -565,16 +559,13 @@ def _alive_nodes() -> int:
 
 
 def _run_rounds(
-    monitor: _Monitor, plan: TaskPlan, streams: ReplayableDataStreamList, n: int, extra: dict
+    monitor: _Monitor, plan: TaskPlan, streams: ReplayableDataStreamList, n: int, facts: dict
 ) -> None:
     """One barrier job per round over Spark's cache of the replayed streams."""
     replay = ReplayPlan(streams.dataframes, streams.replayed, n)
     try:
-        extra["replay_batches"] = replay.prepare()
-        extra["replay_storage"] = str(replay.storage_level)
-        extra["replay_memory_bytes"] = replay.memory_bytes
-        extra["replay_disk_bytes"] = replay.disk_bytes
-        extra["repartitioned"] = True
+        batches = replay.prepare()
+        facts["repartitioned"] = True
         rounds = 0
         while True:
             monitor.run(
@@ -584,7 +575,13 @@ def _run_rounds(
             rounds += 1
             if monitor.closed():
                 break
-        extra["rounds"] = rounds
+        facts["replay"] = ReplayInfo(
+            batches=batches,
+            storage_level=str(replay.storage_level),
+            memory_bytes=replay.memory_bytes,
+            disk_bytes=replay.disk_bytes,
+            rounds=rounds,
+        )
     finally:
         replay.close()
 

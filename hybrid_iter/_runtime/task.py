@@ -118,7 +118,7 @@ def _drop_links() -> None:
 
 
 def _ray_coordinator(plan: Any) -> CoordinatorLink:
-    from .ray_util import connect
+    from .._cluster.ray_util import connect
 
     connect(plan.ray_address, namespace=plan.namespace)
     key = (plan.ray_address, plan.actor_name)

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._cluster.ray_join import DEFAULT_CONNECT_TIMEOUT, check_ray_address
 from .._errors import CliError, SessionError
-from .._session import DEFAULT_CONNECT_TIMEOUT, check_ray_address
 from ._versions import _version_of
 
 #: Prefix of the one stdout line that carries the result of ``run`` as JSON.

@@ -23,10 +23,10 @@ from .._errors import (
     IterationConfigError,
     IterationFailedError,
     StoredArraysLost,
-    WorkerDiedError,
 )
 from .._result import IterationResult
 from .._runtime.array_store import forget, plan_reuse
+from .._runtime.controller import relaunch_if_worker_died
 from .._runtime.endpoint import refuse_on_connect
 from .._runtime.entry import refuse_stopped_session, runs_coming
 from .._runtime.iterate import iterate_bounded_streams_until_termination
@@ -42,7 +42,6 @@ __all__ = [
     "check_mode",
     "check_number",
     "check_optional_column",
-    "relaunch_if_worker_died",
     "run_iteration",
     "run_with_array_cache",
     "with_array_cache",
@@ -249,30 +248,6 @@ def _stored_arrays_lost(ex: BaseException) -> BaseException | None:
     return None
 
 
-def relaunch_if_worker_died(owner: str, run: Callable[[], T]) -> T:
-    """``run()``, once more when a Spark Python worker died under it
-    (``WorkerDiedError``: killed, out of memory; no exception of user code). A fit is a
-    function of its data and parameters, so the relaunch gives the same model (bit for
-    bit in sync mode); a second death fails naming the partition."""
-    try:
-        return run()
-    except WorkerDiedError as first:
-        warnings.warn(f"{owner}: {first.what}; relaunching the fit once", UserWarning, stacklevel=3)
-    try:
-        return run()
-    except WorkerDiedError as again:
-        raise WorkerDiedError(
-            f"{owner} failed: a Spark Python worker died, the fit was relaunched once and a "
-            f"worker died again; {again.message.removeprefix('the iteration failed: ')}",
-            again.failures,
-            again.partition,
-            again.signal,
-            again.exit_code,
-            again.report,
-            again.spark_message,
-        ) from again
-
-
 def run_with_array_cache(
     owner: str,
     df: Any,
@@ -329,7 +304,7 @@ def run_with_array_cache(
             )
             reuse = False
             continue
-        if stored is not None and not stored.read and result.extra.get("repartitioned"):
+        if stored is not None and not stored.read and result.repartitioned:
             forget(stored)  # subtask p did not read cached partition p: keep nothing
         if stored is not None and stored.read:  # the rows read, not the stand-in's
             return replace(result, rows=list(stored.rows)), "array cache"

@@ -37,6 +37,7 @@ from coordinator import RuntimeHooks
 
 from .._body import IterationBody
 from .._errors import ConvergenceWarning, IterationConfigError
+from .._runtime.controller import relaunch_if_worker_died
 from ._base import (
     check_bool,
     check_column,
@@ -44,7 +45,6 @@ from ._base import (
     check_features_col,
     check_mode,
     check_optional_column,
-    relaunch_if_worker_died,
     run_iteration,
     run_with_array_cache,
 )

@@ -262,7 +262,7 @@ class Shards:
             if handles is None:
                 import ray
 
-                from .._runtime.ray_util import NAMESPACE
+                from .._cluster.ray_util import NAMESPACE
 
                 handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
             # Any, like start_shards' handles: ray types get_actor's handle as of no class

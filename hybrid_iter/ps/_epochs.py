@@ -167,7 +167,7 @@ class Epochs(CoordinatorOperator):
     def _shards(self) -> list[Any]:
         import ray
 
-        from .._runtime.ray_util import NAMESPACE
+        from .._cluster.ray_util import NAMESPACE
 
         if self._handles is None:
             self._handles = [ray.get_actor(n, namespace=NAMESPACE) for n in self.shard_names]

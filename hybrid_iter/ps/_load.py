@@ -111,7 +111,7 @@ def load(
     token = None
     address = None
     if tables:
-        from ._train import launch_table_shards
+        from ._shards import launch_table_shards
 
         address, names_, handles, token = launch_table_shards(
             [TableSpec(t.name, t.dim, t.init, "sgd", {"learning_rate": 1.0}) for t in tables],

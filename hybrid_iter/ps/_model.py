@@ -24,6 +24,7 @@ from coordinator._manifest import new_save_id
 from coordinator._table_io import MODEL_FILE, write_dense, write_meta
 from coordinator._tables import Init
 
+from .._cluster import context as cluster
 from .._errors import IterationConfigError, UsageError
 from .._runtime.endpoint import refuse_on_connect
 from ._client import Shards, TablePlan, step_keys
@@ -62,7 +63,7 @@ class _Owner:
 
         if not ray.is_initialized():
             return  # Ray is gone (the session ended): its actors with it
-        from .._runtime.placement import kill
+        from .._cluster.placement import kill
 
         for i, h in enumerate(self.handles):
             kill(h, f"parameter shard {i}")
@@ -293,7 +294,7 @@ class Model:
         from pyspark.ml.functions import array_to_vector
         from pyspark.sql import functions as F
 
-        address = self.ray_address or _ray_address(spark)
+        address = self.ray_address or cluster.ray_address(spark)
         names = list(self.shard_names)
         fn = _export_fn(address, names, table)
         ids = spark.range(len(names), numPartitions=len(names))
@@ -340,7 +341,9 @@ class Model:
         from pyspark.sql.types import DoubleType, StructField, StructType
 
         schema = StructType([*df.schema.fields, StructField(output_col, DoubleType(), False)])
-        address = self.ray_address or (_ray_address(df.sparkSession) if self.tables else None)
+        address = self.ray_address or (
+            cluster.ray_address(df.sparkSession) if self.tables else None
+        )
         task = _Scorer(
             address=address,
             shard_names=tuple(self.shard_names),
@@ -380,18 +383,12 @@ def _dense_dict(layout: Layout | None, dense: np.ndarray) -> dict[str, np.ndarra
     return dict(got) if isinstance(got, dict) else {"": np.asarray(got)}
 
 
-def _ray_address(spark: Any) -> str:
-    from .._runtime.iterate import _ray_address as address
-
-    return address(spark)
-
-
 def _export_fn(address: str, names: Sequence[str], table: str) -> Any:
     def export(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
         import ray
 
-        from .._runtime.ray_util import NAMESPACE, connect
+        from .._cluster.ray_util import NAMESPACE, connect
 
         connect(address, namespace=NAMESPACE)
         for batch in batches:
@@ -451,7 +448,7 @@ class _Scorer:
 
         client = None
         if self.plan.names:
-            from .._runtime.ray_util import NAMESPACE, connect
+            from .._cluster.ray_util import NAMESPACE, connect
 
             assert self.address is not None  # set whenever the model has tables
             connect(self.address, namespace=NAMESPACE)

@@ -29,20 +29,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from coordinator._endpoint import EndpointAddress
-from coordinator._ps import ShardSpec, shard_class
 from coordinator._tables import TableSpec
-from coordinator._variables import INLINE_LIMIT
 
 from .._body import IterationBody
+from .._cluster import context as cluster
+from .._cluster.ray_util import NAMESPACE
 from .._config import TRANSPORTS, CheckpointConfig, EndpointConfig, IterationConfig
 from .._errors import (
     IterationConfigError,
@@ -51,65 +48,34 @@ from .._errors import (
     WorkerDiedError,
 )
 from .._result import IterationResult
-from .._runtime.endpoint import SERVE_TIMEOUT, EndpointPlan
+from .._runtime.controller import relaunch_if_worker_died
+from .._runtime.endpoint import EndpointPlan
 from .._runtime.entry import runs_coming
 from .._runtime.iterate import iterate_bounded_streams_until_termination
-from .._runtime.placement import (
-    ActorKind,
-    actor_class,
-    keep_spare,
-    kill,
-    launch,
-    launch_held,
-    retire_as_spare,
-    take_spares,
-)
-from .._runtime.ray_util import NAMESPACE
 from .._streams import DataStream, ReplayableDataStreamList
-from ..ml._base import (
-    check_dataframe,
-    check_int,
-    check_mode,
-    check_progress,
-    relaunch_if_worker_died,
-)
-from ..ml._features import VECTOR, column_kind, resolve_features
-from ._client import Shards, TablePlan
-from ._epochs import HOT_TOP, METRICS, Epochs, ShardServingPlan, hot_keys
+from ..ml._base import check_dataframe, check_int, check_mode, check_progress
+from ..ml._features import column_kind
+from ._client import TablePlan
+from ._epochs import HOT_TOP, Epochs, hot_keys
 from ._layout import Layout
 from ._model import Model, _TableMeta
 from ._optim import SGD, Optimizer
-from ._tables import Table
+from ._shards import (
+    get,
+    keep_shard_spares,
+    raise_if_not_started,
+    retire_shards,
+    serve_shards,
+    shard_bounds,
+    shard_kind,
+    start_shards,
+    stop_shards,
+    table_shards,
+)
+from ._train_args import check_eval, check_keys, column_type, feature_columns, split_init
 from ._worker import EvalPlan, TrainPlan, Worker
 
-__all__ = [
-    "TrainResult",
-    "launch_shards",
-    "launch_table_shards",
-    "stop_shards",
-    "train",
-]
-
-#: ``num_shards=None`` gives each shard about this many parameters (at most ``_MAX_AUTO``).
-PARAMS_PER_SHARD = 2_500_000
-_MAX_AUTO_SHARDS = 4
-#: ``num_shards=None`` with tables: at most this many shards (each its own process) ...
-TABLE_SHARDS = 2
-#: ... and more than one only when the Ray cluster has CPUs for every task of the run
-#: plus this many (the coordinator, the driver, a second shard): else the extra shard
-#: only adds a round trip per worker step and a process that competes for the same cores
-_SPARE_CPUS_FOR_SHARDS = 4
-
-
-def table_shards(parallelism: int, cluster_cpus: float) -> int:
-    """The shard count of a model with tables under ``num_shards=None`` (before the dense
-    part's own rule, ``_shard_bounds``): ``TABLE_SHARDS`` when the cluster's CPUs cover
-    the run's ``parallelism`` plus ``_SPARE_CPUS_FOR_SHARDS``, else 1."""
-    return TABLE_SHARDS if cluster_cpus >= parallelism + _SPARE_CPUS_FOR_SHARDS else 1
-
-
-# the client's name where the benchmarks and tests import it from
-_Shards = Shards
+__all__ = ["TrainLaunch", "TrainResult", "train"]
 
 
 @dataclass(frozen=True)
@@ -195,217 +161,231 @@ class TrainResult:
             self.model.close()
 
 
-# -- driver -----------------------------------------------------------------------------
+@dataclass
+class _Made:
+    """What the model is built from once the run ends (or fails)."""
 
-_ID_HINT = (
-    "ids are read from integer columns (long, int, short, byte), arrays of them (any "
-    "length per row) or vector columns (pyspark.ml.linalg SparseVector/DenseVector)"
-)
+    layout: Layout | None
+    specs: Sequence[TableSpec]
+    key_cols: Mapping[str, tuple[str, ...]]
+    shard_names: list[str]
+    shards: list[Any]
+    held: list[Any]
+    predict_fn: Any
+    names: Sequence[str]
+    widths: Mapping[str, int]
+    csr: Sequence[str]
+    address: str
 
-
-def _is_id_type(dtype: Any) -> bool:
-    from pyspark.sql import types as T
-
-    if type(dtype).__name__ == "VectorUDT":
-        return True
-    if isinstance(dtype, T.ArrayType):
-        return isinstance(dtype.elementType, T.IntegralType)
-    return isinstance(dtype, T.IntegralType)
-
-
-def _split_init(init: Any) -> tuple[Any, dict[str, Table]]:
-    """``init``'s dense part (an array, a dict, or None) and its tables, by name."""
-    if isinstance(init, Table):
-        raise IterationConfigError(
-            "a ps.Table must be named: pass init={'w': ps.Table(...), ...} (and keys={'w': "
-            "'<id column>'})"
+    def model(self, values: Sequence[np.ndarray]) -> Model:
+        """The trained model: the dense values gathered (fresh arrays), the tables left
+        on the shards (which the model then owns; without tables they are stopped)."""
+        final = np.concatenate(values) if len(values) > 1 else np.array(values[0])
+        tables = [_TableMeta(s.name, s.dim, s.init, self.key_cols[s.name]) for s in self.specs]
+        token = get([self.shards[0].hello.remote()])[0][0] if tables else None
+        return Model(
+            layout=self.layout,
+            dense=final,
+            tables=tables,
+            shard_names=self.shard_names if tables else (),
+            handles=self.shards if tables else (),
+            token=token,
+            predict_fn=self.predict_fn,
+            columns=self.names,
+            vector_widths=self.widths,
+            csr_columns=self.csr,
+            ray_address=self.address,
+            held=self.held,
         )
-    if not isinstance(init, Mapping):
-        return init, {}
-    tables = {k: v for k, v in init.items() if isinstance(v, Table)}
-    seen: dict[int, str] = {}
-    for name, t in tables.items():
-        if id(t) in seen:
-            raise IterationConfigError(
-                f"init declares the table {seen[id(t)]!r} twice: {name!r} is the same "
-                f"ps.Table object, so both would get the same rows (same seed, same keys); "
-                f"give each name its own ps.Table(...)"
-            )
-        seen[id(t)] = name
-    if not tables:
-        return init, {}
-    dense = {k: v for k, v in init.items() if k not in tables}
-    return (dense or None), tables
+
+    def salvage(self) -> Model | None:
+        """The model as the shards hold it now, or None when one cannot be read."""
+        if not self.shards:
+            return None
+        try:
+            values = get([s.values.remote() for s in self.shards], timeout=SALVAGE_TIMEOUT)
+            return self.model(values)
+        except Exception:  # a shard lost with the failure: the error itself says what failed
+            return None
 
 
-def _check_keys(
-    df: Any,
-    tables: Mapping[str, Table],
-    keys: Any,
-    sparse_columns: Any,
-    dense_names: Sequence[str],
-) -> tuple[dict[str, tuple[str, ...]], tuple[str, ...]]:
-    """Each table's key columns and every column read as CSR, checked against ``df``."""
-    fields = {f.name: f for f in df.schema.fields}
-    out: dict[str, tuple[str, ...]] = {}
-    if keys is None:
-        keys = {}
-    if not isinstance(keys, Mapping):
-        raise IterationConfigError(
-            f"ps.train(keys=...) must map each table's name to its id column(s), e.g. "
-            f"keys={{'w': 'ids'}}, got {type(keys).__name__}"
-        )
-    for name in keys:
-        if name not in tables:
-            what = (
-                "a dense parameter (only a ps.Table takes keys)"
-                if name in dense_names
-                else "not in init"
-            )
-            raise IterationConfigError(
-                f"ps.train(keys=...) names {name!r}, which is {what}; tables: {sorted(tables)}"
-            )
-    for name in tables:
-        if name not in keys:
-            raise IterationConfigError(
-                f"ps.train(keys=...) gives no id column for the table {name!r}: add "
-                f"keys={{{name!r}: '<column of its ids>'}}"
-            )
-        given = keys[name]
-        cols: tuple[str, ...] = (
-            (given,)
-            if isinstance(given, str)
-            else tuple(given)
-            if isinstance(given, Sequence)
-            else ()
-        )
-        if not cols or not all(isinstance(c, str) and c for c in cols):
-            raise IterationConfigError(
-                f"ps.train(keys={{{name!r}: ...}}) must be a column name or a non-empty list "
-                f"of them, got {given!r}"
-            )
-        if len(set(cols)) != len(cols):
-            raise IterationConfigError(
-                f"ps.train(keys={{{name!r}: {list(cols)}}}) lists a column twice; list each once"
-            )
-        out[name] = cols
-    if isinstance(sparse_columns, str) or not isinstance(sparse_columns, Sequence):
-        raise IterationConfigError(
-            f"ps.train(sparse_columns=...) must be a list of column names, got {sparse_columns!r}"
-        )
-    every = list(dict.fromkeys([c for cols in out.values() for c in cols] + list(sparse_columns)))
-    for c in every:
-        where = "sparse_columns" if c in sparse_columns else "keys"
-        if c not in fields:
-            raise IterationConfigError(
-                f"ps.train({where}=...): column {c!r} is not in the DataFrame; its columns "
-                f"are {list(fields)}"
-            )
-        dtype = fields[c].dataType
-        if not _is_id_type(dtype):
-            cast = (
-                f"F.col({c!r}).cast('array<long>')"
-                if type(dtype).__name__ == "ArrayType"
-                else f"F.col({c!r}).cast('long')"
-            )
-            raise IterationConfigError(
-                f"ps.train({where}=...): the id column {c!r} has type "
-                f"{dtype.simpleString()}, which is not integral; {_ID_HINT}. Cast it "
-                f"({cast}) or hash it to integers first"
-            )
-    return out, tuple(every)
+#: seconds to read the shards after a failure (a lost shard must not hang the error)
+SALVAGE_TIMEOUT = 60.0
 
 
-def _columns(df: Any, columns: Any, csr: Sequence[str]) -> tuple[list[str], dict[str, int]]:
-    """The dense columns (numeric, arrays, vectors) besides the CSR ones, and the width of
-    each dense vector column."""
-    fields = {f.name: f for f in df.schema.fields}
-    if columns is None:
-        names = [
-            n for n, f in fields.items() if column_kind(f.dataType) is not None and n not in csr
-        ]
-        if not names and not csr:
-            raise IterationConfigError(
-                "ps.train: the DataFrame has no numeric, array or vector column to train on"
-            )
-    elif isinstance(columns, str) or not isinstance(columns, Sequence) or not columns:
-        raise IterationConfigError(
-            f"ps.train(columns=...) must be a non-empty list of column names (or None for "
-            f"every numeric, array and vector column), got {columns!r}"
+@dataclass(frozen=True)
+class TrainLaunch:
+    """One launch of a ``ps.train`` run, made by ``train`` once every argument is
+    checked (driver): new shards from ``init``, the iteration over the data, and the
+    model. A relaunch after a Spark worker died is another call: it never sees a failed
+    launch's updates. What the shards applied before a failure is kept in the
+    ``TrainFailedError``; after a run that ended well, a dense model's shards go back to
+    the spare pool emptied."""
+
+    df: Any
+    eval_df: Any
+    grad_fn: Callable[[Any, dict[str, Any]], Any]
+    predict_fn: Callable[[Any, dict[str, Any]], Any] | None
+    #: the dense parameters, flat, and the shards' key ranges of them
+    flat: np.ndarray
+    bounds: Sequence[int]
+    layout: Layout | None
+    specs: tuple[TableSpec, ...]
+    key_cols: Mapping[str, tuple[str, ...]]
+    plan_tables: TablePlan
+    names: Sequence[str]
+    widths: Mapping[str, int]
+    csr: Sequence[str]
+    optimizer: Optimizer
+    mode: str
+    staleness_steps: int | None
+    epochs: int
+    tol: float | None
+    batch_size: int | None
+    shuffle: bool
+    seed: int
+    metrics: Sequence[str]
+    patience: int | None
+    label_col: str
+    checkpoint: CheckpointConfig | None
+    config: IterationConfig
+    #: the shards' endpoint plan (None: the tasks reach them through Ray)
+    served: EndpointPlan | None
+    #: the checkpoint key (empty without checkpoints)
+    key: bytes
+    parallelism: int
+    address: str
+
+    def __call__(self) -> TrainResult:
+        from spark_ops import read_columns
+
+        # new shards from ``init`` each launch: a relaunch never sees a failed one's updates
+        shards: list[Any] = []
+        shard_names: list[str] = []
+        model: Model | None = None
+        ended_well = False
+        made = _Made(
+            self.layout,
+            self.specs,
+            self.key_cols,
+            [],
+            [],
+            [],
+            self.predict_fn,
+            self.names,
+            self.widths,
+            self.csr,
+            self.address,
         )
-    else:
-        names = []
-        for n in columns:
-            if n not in fields:
-                raise IterationConfigError(
-                    f"ps.train(columns=...): column {n!r} is not in the DataFrame; its "
-                    f"columns are {list(fields)}"
+        try:
+            # the shards' processes start while the Spark stage starts and reads its
+            # data (the tasks' first call to a shard waits for it): not one after the other
+            shard_names, shards, held, started = start_shards(
+                self.flat,
+                self.bounds,
+                self.optimizer,
+                num_workers=self.parallelism,
+                sync=self.mode == "sync",
+                tables=self.specs,
+                staleness_steps=self.staleness_steps,
+                max_restarts=self.config.restarts,
+                key=self.key,
+                label=self.config.name or "train",
+                served=self.served is not None,
+            )
+            made.shard_names, made.shards, made.held = shard_names, shards, held
+            addresses, serving = None, None
+            if self.served is not None:
+                addresses, serving = serve_shards(shards, started, self.served)
+            evaluation = None
+            if self.eval_df is not None:
+                assert self.predict_fn is not None
+                evaluation = EvalPlan(
+                    self.predict_fn,
+                    self.label_col,
+                    tuple(dict.fromkeys([*self.names, *self.csr, self.label_col])),
+                    "log_loss" in self.metrics,
                 )
-            if n in csr:
-                continue  # read as CSR
-            if column_kind(fields[n].dataType) is None:
-                raise IterationConfigError(
-                    f"ps.train(columns=...): column {n!r} has type "
-                    f"{fields[n].dataType.simpleString()}, which is not numeric, an array "
-                    f"of numbers or a vector; cast it or leave it out"
-                )
-            names.append(n)
-    widths = {
-        n: resolve_features(df, n, param="ps.train(columns=...)").dim
-        for n in names
-        if column_kind(fields[n].dataType) == VECTOR
-    }
-    return names, widths
-
-
-def _shard_bounds(size: int, num_shards: int | None) -> list[int]:
-    if num_shards is None:
-        num_shards = min(_MAX_AUTO_SHARDS, max(1, math.ceil(size / PARAMS_PER_SHARD)))
-    cuts = np.linspace(0, size, num_shards + 1).round().astype(int)
-    return [int(c) for c in cuts]
-
-
-def _check_eval(
-    eval_df: Any,
-    predict_fn: Any,
-    eval_metrics: Any,
-    label_col: Any,
-    early_stopping: Any,
-    needed: Sequence[str],
-) -> tuple[tuple[str, ...], int | None]:
-    if eval_df is None:
-        if early_stopping is not None:
-            raise IterationConfigError(
-                "ps.train(early_stopping=...) stops on an evaluation metric: give eval_df= "
-                "and predict_fn= too"
+            plan = TrainPlan(
+                layout=self.layout,
+                columns=tuple(self.names),
+                vector_widths=self.widths,
+                csr_columns=self.csr,
+                tables=self.plan_tables,
+                shard_names=tuple(shard_names),
+                bounds=tuple(self.bounds),
+                dtype=self.layout.dtype if self.layout is not None else "<f8",
+                batch_size=self.batch_size,
+                shuffle=self.shuffle,
+                seed=self.seed,
+                sync=self.mode == "sync",
+                staleness_steps=self.staleness_steps,
+                eval=evaluation,
+                shard_endpoints=addresses,
             )
-        return (), None
-    check_dataframe("ps.train", eval_df, call="ps.train(eval_df=...)")
-    if not callable(predict_fn):
-        raise IterationConfigError(
-            "ps.train(eval_df=...) needs predict_fn(params, batch) -> one score per row (a "
-            "probability for the log loss)"
-        )
-    metrics = (eval_metrics,) if isinstance(eval_metrics, str) else tuple(eval_metrics or ())
-    if not metrics or any(m not in METRICS for m in metrics):
-        raise IterationConfigError(
-            f"ps.train(eval_metrics=...) must name metrics among {sorted(METRICS)}, got "
-            f"{eval_metrics!r}"
-        )
-    cols = set(eval_df.columns)
-    if not isinstance(label_col, str) or label_col not in cols:
-        raise IterationConfigError(
-            f"ps.train(label_col={label_col!r}) must be a column of eval_df (its columns are "
-            f"{eval_df.columns})"
-        )
-    missing = [c for c in needed if c not in cols]
-    if missing:
-        raise IterationConfigError(
-            f"ps.train(eval_df=...) lacks the column(s) {missing} that training reads; "
-            f"predict_fn gets the same columns as grad_fn"
-        )
-    check_int("ps.train", "early_stopping", early_stopping, minimum=1, optional=True)
-    return metrics, early_stopping
+            worker = Worker(grad_fn=self.grad_fn, plan=plan, optimizer=self.optimizer)
+            parts_uri = (
+                self.checkpoint.path.rstrip("/") + "/ps" if self.checkpoint is not None else None
+            )
+            coordinator = Epochs(
+                self.epochs,
+                self.tol,
+                self.optimizer,
+                shard_names=shard_names,
+                parts_uri=parts_uri,
+                keep_parts=(self.checkpoint.keep_last + 1) if self.checkpoint is not None else 0,
+                metrics=self.metrics,
+                patience=self.patience,
+                serving=serving,
+            )
+            body = IterationBody(
+                partition=worker,
+                coordinator=coordinator,
+                # else self.epochs (max_epochs) ends it
+                criteria=True if self.tol is not None or self.patience is not None else None,
+            )
+            scalar = [
+                c
+                for c in self.names
+                if c not in self.widths and column_kind(column_type(self.df, c)) == "scalar"
+            ]
+            # over cached data: planned on the cache relation (``cached_view``)
+            _, data = read_columns(self.df, [*self.names, *self.csr])
+            streams = [DataStream(data, numeric_columns=tuple(scalar) or None)]
+            if evaluation is not None:
+                streams.append(DataStream(self.eval_df.select(*evaluation.columns)))
+            try:
+                result = iterate_bounded_streams_until_termination(
+                    {"epoch": 0}, ReplayableDataStreamList.not_replay(*streams), self.config, body
+                )
+            except BaseException:
+                raise_if_not_started(started)  # a shard that could not start says why
+                raise
+            values = get([s.values.remote() for s in shards])
+            info = get([s.info.remote(HOT_TOP) for s in shards])
+            model = made.model(values)
+            ended_well = True
+        except WorkerDiedError:
+            raise  # relaunched from ``init`` below: nothing of this launch is kept
+        except IterationFailedError as ex:
+            # what the shards applied before the failure is kept, not lost with them
+            model = made.salvage()
+            failed = TrainFailedError(ex.message, ex.failures, model.params if model else None)
+            raise failed.with_traceback(ex.__traceback__) from ex.__cause__
+        finally:
+            kind = shard_kind(
+                self.mode == "sync", self.staleness_steps, self.served is not None, self.parallelism
+            )
+            if model is None or not model.tables:  # a dense model is all on the driver now
+                if ended_well and not self.config.restarts:
+                    # the next run of this kind takes them, up and emptied
+                    retire_shards(kind, shards, shard_names)
+                else:
+                    stop_shards(shards)
+            if not self.config.restarts:
+                # the next run of this kind takes processes started now, in the background
+                keep_shard_spares(kind, len(self.bounds) - 1)
+        return TrainResult(model.params, result, info, model)
 
 
 def train(
@@ -492,7 +472,7 @@ def train(
             f"ps.train(grad_fn=...) must be a function (params, batch) -> (loss, grad), got "
             f"{type(grad_fn).__name__}"
         )
-    dense_init, tables = _split_init(init)
+    dense_init, tables = split_init(init)
     layout, flat = Layout.of(dense_init) if dense_init is not None else (None, np.zeros(0))
     if optimizer is None:
         optimizer = SGD()
@@ -541,9 +521,9 @@ def train(
             f"{type(checkpoint).__name__}"
         )
     dense_names = list(layout.names or ()) if layout is not None else []
-    key_cols, csr = _check_keys(df, tables, keys, sparse_columns, dense_names)
-    names, widths = _columns(df, columns, csr)
-    metrics, patience = _check_eval(
+    key_cols, csr = check_keys(df, tables, keys, sparse_columns, dense_names)
+    names, widths = feature_columns(df, columns, csr)
+    metrics, patience = check_eval(
         eval_df, predict_fn, eval_metrics, label_col, early_stopping, [*names, *csr]
     )
     specs = tuple(
@@ -558,25 +538,24 @@ def train(
     )
     plan_tables = TablePlan.of([(s.name, s.dim, key_cols[s.name]) for s in specs])
 
-    from spark_ops import available_task_slots, read_columns
+    from spark_ops import available_task_slots
 
-    from .._runtime.iterate import _ray_address
-    from .._runtime.ray_util import connect
+    from .._cluster.ray_util import connect
 
     n = parallelism or available_task_slots(df.sparkSession)
     if n < 1:
         raise IterationConfigError("Spark has no task slots; start executors or a Session")
     runs_coming()  # the shards start before the iteration's own entry says so
-    address = _ray_address(df.sparkSession)
+    address = cluster.ray_address(df.sparkSession)
     connect(address, namespace=NAMESPACE)
     if num_shards is None and tables:
         import ray
 
         cpus = float(ray.cluster_resources().get("CPU", 0.0))
         # the dense part's rule still holds when it asks for more
-        bounds = _shard_bounds(size, max(table_shards(n, cpus), len(_shard_bounds(size, None)) - 1))
+        bounds = shard_bounds(size, max(table_shards(n, cpus), len(shard_bounds(size, None)) - 1))
     else:
-        bounds = _shard_bounds(size, num_shards)
+        bounds = shard_bounds(size, num_shards)
     config = IterationConfig(
         staleness=iteration_staleness,
         max_epochs=epochs,
@@ -605,446 +584,38 @@ def train(
 
         key = checkpoint_key()
 
-    def run_once() -> TrainResult:
-        # new shards from ``init`` each launch: a relaunch never sees a failed one's updates
-        shards: list[Any] = []
-        shard_names: list[str] = []
-        model: Model | None = None
-        ended_well = False
-        made = _Made(layout, specs, key_cols, [], [], [], predict_fn, names, widths, csr, address)
-        try:
-            # the shards' processes start while the Spark stage starts and reads its
-            # data (the tasks' first call to a shard waits for it): not one after the other
-            shard_names, shards, held, started = _start(
-                flat,
-                bounds,
-                optimizer,
-                num_workers=n,
-                sync=mode == "sync",
-                tables=specs,
-                staleness_steps=staleness_steps,
-                max_restarts=config.restarts,
-                key=key,
-                label=config.name or "train",
-                served=served is not None,
-            )
-            made.shard_names, made.shards, made.held = shard_names, shards, held
-            addresses, serving = None, None
-            if served is not None:
-                addresses, serving = serve_shards(shards, started, served)
-            evaluation = None
-            if eval_df is not None:
-                assert predict_fn is not None
-                evaluation = EvalPlan(
-                    predict_fn,
-                    label_col,
-                    tuple(dict.fromkeys([*names, *csr, label_col])),
-                    "log_loss" in metrics,
-                )
-            plan = TrainPlan(
-                layout=layout,
-                columns=tuple(names),
-                vector_widths=widths,
-                csr_columns=csr,
-                tables=plan_tables,
-                shard_names=tuple(shard_names),
-                bounds=tuple(bounds),
-                dtype=layout.dtype if layout is not None else "<f8",
-                batch_size=batch_size,
-                shuffle=shuffle,
-                seed=seed,
-                sync=mode == "sync",
-                staleness_steps=staleness_steps,
-                eval=evaluation,
-                shard_endpoints=addresses,
-            )
-            worker = Worker(grad_fn=grad_fn, plan=plan, optimizer=optimizer)
-            parts_uri = checkpoint.path.rstrip("/") + "/ps" if checkpoint is not None else None
-            coordinator = Epochs(
-                epochs,
-                tol,
-                optimizer,
-                shard_names=shard_names,
-                parts_uri=parts_uri,
-                keep_parts=(checkpoint.keep_last + 1) if checkpoint is not None else 0,
-                metrics=metrics,
-                patience=patience,
-                serving=serving,
-            )
-            body = IterationBody(
-                partition=worker,
-                coordinator=coordinator,
-                # else epochs (max_epochs) ends it
-                criteria=True if tol is not None or patience is not None else None,
-            )
-            scalar = [c for c in names if c not in widths and column_kind(_type(df, c)) == "scalar"]
-            # over cached data: planned on the cache relation (``cached_view``)
-            _, data = read_columns(df, [*names, *csr])
-            streams = [DataStream(data, numeric_columns=tuple(scalar) or None)]
-            if evaluation is not None:
-                streams.append(DataStream(eval_df.select(*evaluation.columns)))
-            try:
-                result = iterate_bounded_streams_until_termination(
-                    {"epoch": 0}, ReplayableDataStreamList.not_replay(*streams), config, body
-                )
-            except BaseException:
-                _raise_if_not_started(started)  # a shard that could not start says why
-                raise
-            values = _get([s.values.remote() for s in shards])
-            info = _get([s.info.remote(HOT_TOP) for s in shards])
-            model = made.model(values)
-            ended_well = True
-        except WorkerDiedError:
-            raise  # relaunched from ``init`` below: nothing of this launch is kept
-        except IterationFailedError as ex:
-            # what the shards applied before the failure is kept, not lost with them
-            model = made.salvage()
-            failed = TrainFailedError(ex.message, ex.failures, model.params if model else None)
-            raise failed.with_traceback(ex.__traceback__) from ex.__cause__
-        finally:
-            kind = shard_kind(mode == "sync", staleness_steps, served is not None, n)
-            if model is None or not model.tables:  # a dense model is all on the driver now
-                if ended_well and not config.restarts:
-                    # the next run of this kind takes them, up and emptied
-                    retire_shards(kind, shards, shard_names)
-                else:
-                    stop_shards(shards)
-            if not config.restarts:
-                # the next run of this kind takes processes started now, in the background
-                keep_shard_spares(kind, len(bounds) - 1)
-        return TrainResult(model.params, result, info, model)
-
-    if checkpoint is not None:
-        return run_once()  # the iteration relaunches from its checkpoints itself
-    return relaunch_if_worker_died("ps.train", run_once)
-
-
-def _get(calls: list[Any], timeout: float | None = None) -> list[Any]:
-    import ray
-
-    return list(ray.get(calls, timeout=timeout))
-
-
-@dataclass
-class _Made:
-    """What the model is built from once the run ends (or fails)."""
-
-    layout: Layout | None
-    specs: Sequence[TableSpec]
-    key_cols: Mapping[str, tuple[str, ...]]
-    shard_names: list[str]
-    shards: list[Any]
-    held: list[Any]
-    predict_fn: Any
-    names: Sequence[str]
-    widths: Mapping[str, int]
-    csr: Sequence[str]
-    address: str
-
-    def model(self, values: Sequence[np.ndarray]) -> Model:
-        """The trained model: the dense values gathered (fresh arrays), the tables left
-        on the shards (which the model then owns; without tables they are stopped)."""
-        final = np.concatenate(values) if len(values) > 1 else np.array(values[0])
-        tables = [_TableMeta(s.name, s.dim, s.init, self.key_cols[s.name]) for s in self.specs]
-        token = _get([self.shards[0].hello.remote()])[0][0] if tables else None
-        return Model(
-            layout=self.layout,
-            dense=final,
-            tables=tables,
-            shard_names=self.shard_names if tables else (),
-            handles=self.shards if tables else (),
-            token=token,
-            predict_fn=self.predict_fn,
-            columns=self.names,
-            vector_widths=self.widths,
-            csr_columns=self.csr,
-            ray_address=self.address,
-            held=self.held,
-        )
-
-    def salvage(self) -> Model | None:
-        """The model as the shards hold it now, or None when one cannot be read."""
-        if not self.shards:
-            return None
-        try:
-            values = _get([s.values.remote() for s in self.shards], timeout=_SALVAGE_TIMEOUT)
-            return self.model(values)
-        except Exception:  # a shard lost with the failure: the error itself says what failed
-            return None
-
-
-#: seconds to read the shards after a failure (a lost shard must not hang the error)
-_SALVAGE_TIMEOUT = 60.0
-
-
-def launch_shards(
-    flat: np.ndarray,
-    bounds: Sequence[int],
-    optimizer: Optimizer,
-    *,
-    num_workers: int,
-    sync: bool,
-) -> tuple[list[str], list[Any]]:
-    """Start one shard actor per key range ``[bounds[i], bounds[i + 1])`` of a dense
-    model (driver; Ray must be connected); returns their names and handles once every
-    one is up."""
-    names, handles, _ = _launch(flat, bounds, optimizer, num_workers=num_workers, sync=sync)
-    return names, handles
-
-
-def _launch(
-    flat: np.ndarray,
-    bounds: Sequence[int],
-    optimizer: Optimizer,
-    *,
-    num_workers: int,
-    sync: bool,
-    tables: Sequence[TableSpec] = (),
-    staleness_steps: int | None = None,
-    max_restarts: int = 0,
-    key: bytes = b"",
-    label: str = "train",
-) -> tuple[list[str], list[Any], list[Any]]:
-    """``launch_shards`` with tables, a step staleness bound, restarts (then the third
-    item holds the creation arguments, to keep while Ray may restart a shard) and the
-    checkpoint key."""
-    import ray
-
-    names, handles, held, started = _start(
-        flat,
-        bounds,
-        optimizer,
-        num_workers=num_workers,
-        sync=sync,
-        tables=tables,
+    launch = TrainLaunch(
+        df=df,
+        eval_df=eval_df,
+        grad_fn=grad_fn,
+        predict_fn=predict_fn,
+        flat=flat,
+        bounds=bounds,
+        layout=layout,
+        specs=specs,
+        key_cols=key_cols,
+        plan_tables=plan_tables,
+        names=names,
+        widths=widths,
+        csr=csr,
+        optimizer=optimizer,
+        mode=mode,
         staleness_steps=staleness_steps,
-        max_restarts=max_restarts,
+        epochs=epochs,
+        tol=tol,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        metrics=metrics,
+        patience=patience,
+        label_col=label_col,
+        checkpoint=checkpoint,
+        config=config,
+        served=served,
         key=key,
-        label=label,
+        parallelism=n,
+        address=address,
     )
-    try:
-        ray.get(started)  # started (a bad spec fails here)
-    except BaseException:
-        stop_shards(handles)
-        raise
-    return names, handles, held
-
-
-def _start(
-    flat: np.ndarray,
-    bounds: Sequence[int],
-    optimizer: Optimizer,
-    *,
-    num_workers: int,
-    sync: bool,
-    tables: Sequence[TableSpec] = (),
-    staleness_steps: int | None = None,
-    max_restarts: int = 0,
-    key: bytes = b"",
-    label: str = "train",
-    served: bool = False,
-) -> tuple[list[str], list[Any], list[Any], list[Any]]:
-    """``_launch`` without waiting: the shards are created (named: tasks find them at
-    once) and their processes start in the background; the fourth item holds one
-    reference per shard that resolves once it is up (or raises why it could not).
-    ``served``: shards that can serve their own endpoint (``serve_shards``), whose
-    replies always carry the values (no object-store reference: no Ray on the caller)."""
-    run_id = uuid.uuid4().hex[:12]
-    kind = shard_kind(sync, staleness_steps, served, num_workers, max_restarts)
-    # the run's name in the actors' names: findable by it (dashboard, state API)
-    tag = "".join(c if c.isalnum() or c in "-_" else "_" for c in label)[:40] or "train"
-    count = len(bounds) - 1
-    specs = [
-        ShardSpec(
-            shard_id=i,
-            lo=bounds[i],
-            hi=bounds[i + 1],
-            init=flat[bounds[i] : bounds[i + 1]],
-            rule=optimizer.rule,
-            rule_params=optimizer.rule_params(),
-            num_workers=num_workers,
-            sync=sync,
-            tables=tuple(tables),
-            num_shards=count,
-            token=run_id,
-            staleness_steps=staleness_steps,
-            run_id=run_id,
-            key=key,
-            inline_limit=sys.maxsize if served else INLINE_LIMIT,
-        )
-        for i in range(count)
-    ]
-    # a shard Ray never restarts may be a spare of its kind (started ahead: the session's
-    # warm-up, or the previous run's refill), configured with this run's spec as its
-    # constructor would have been; a restart would run the constructor again, with no
-    # spec, so shards that may restart are always started here
-    pooled: list[Any] = [None] * count
-    if not max_restarts:
-        pooled = take_spares(kind, "configure", [(spec,) for spec in specs])
-    names: list[str] = []
-    handles: list[Any] = []
-    held: list[Any] = []
-    try:
-        for i, spec in enumerate(specs):
-            if pooled[i] is not None:
-                handle, name, _ = pooled[i]
-            else:
-                name = f"hybrid_iter.ps.{tag}.{run_id}.shard{i}"
-                if max_restarts:
-                    launched = launch_held(kind, name, spec)
-                    handle = launched.handle
-                    held.append(launched)
-                else:
-                    handle = launch(kind, name, spec)
-            names.append(name)
-            handles.append(handle)
-        started = [h.hello.remote() for h in handles]
-    except BaseException:
-        stop_shards(handles)
-        stop_shards([p[0] for p in pooled if p is not None and p[0] not in handles])
-        raise
-    return names, handles, held, started
-
-
-#: the name prefix of spare shards (``keep_shard_spares``)
-SPARE_PREFIX = "hybrid_iter.ps.spare"
-
-
-def shard_kind(
-    sync: bool,
-    staleness_steps: int | None,
-    served: bool,
-    num_workers: int,
-    max_restarts: int = 0,
-) -> ActorKind:
-    """The actor class and options of a run's shards (the spare pool's key)."""
-    # sync mode: an asyncio actor whose pulls wait for a step; async mode: a plain actor,
-    # one call at a time with no event loop in between (nothing ever waits there)
-    waits = sync or staleness_steps is not None
-    concurrency = max(1000, 4 * num_workers + 16) if waits else 1
-    return actor_class(
-        shard_class(sync, staleness_steps, served=served),
-        max_concurrency=concurrency,
-        max_restarts=max_restarts,
-    )
-
-
-def keep_shard_spares(kind: ActorKind, count: int) -> list[Any]:
-    """Start spare shards of ``kind`` until its pool holds ``count`` (at most
-    ``SPARE_POOL``): idle processes the next run of that kind configures (driver; never
-    raises, never waits)."""
-    return keep_spare(kind, count=count, prefix=SPARE_PREFIX)
-
-
-def serve_shards(
-    handles: Sequence[Any], started: Sequence[Any], plan: EndpointPlan
-) -> tuple[tuple[EndpointAddress, ...], ShardServingPlan]:
-    """Every shard serving its own endpoint (once each is up): the addresses the tasks
-    dial, and what the run's coordinator re-serves a restarted shard with (the same
-    address: the tasks' plans name it)."""
-    import ray
-
-    from .._errors import SessionError
-
-    _raise_if_not_started(started)
-    spec = plan.spec
-    host = spec.bind.rpartition(":")[0] if spec.bind else ""
-    first = dataclasses.replace(spec, bind=f"{host}:0" if host else "", advertise=None)
-    try:
-        locations = ray.get(
-            [h.serve_endpoint.remote(first) for h in handles], timeout=SERVE_TIMEOUT
-        )
-    except ray.exceptions.GetTimeoutError:
-        raise SessionError(
-            f"the parameter shards did not start serving their endpoints within "
-            f"{SERVE_TIMEOUT:g} s: look for the shard actors' errors in Ray's logs"
-        ) from None
-    except ray.exceptions.RayTaskError as ex:
-        # the server names its own cause (EndpointBindError: the address, the certificate)
-        cause = ex.cause if ex.cause is not None else ex
-        raise SessionError(
-            f"the parameter shards cannot serve their endpoints on "
-            f"{first.bind or '<their node>:0'}: "
-            f"{(str(cause).splitlines() or [type(cause).__name__])[0]}"
-        ) from ex
-    specs = []
-    for loc in locations:
-        hostport = loc.split("://", 1)[-1]
-        port = hostport.rpartition(":")[2]
-        specs.append(
-            dataclasses.replace(
-                spec, bind=f"{host or hostport.rpartition(':')[0]}:{port}", advertise=hostport
-            )
-        )
-    addresses = tuple(
-        EndpointAddress(loc, spec.token, plan.root_certs, plan.connect_timeout) for loc in locations
-    )
-    return addresses, ShardServingPlan(tuple(specs), tuple(locations))
-
-
-#: seconds a failed run waits for its shards' start to learn whether one failed to start
-_START_CHECK_TIMEOUT = 60.0
-
-
-def _raise_if_not_started(started: Sequence[Any]) -> None:
-    """Raise the error of a shard that could not start (its constructor's), which is the
-    cause of a run that failed with it: the tasks only saw the shard gone. Returns when
-    every shard started, or when they cannot be asked."""
-    import ray
-
-    try:
-        ray.get(list(started), timeout=_START_CHECK_TIMEOUT)
-    except ray.exceptions.GetTimeoutError:
-        return
-    except ray.exceptions.RayActorError as ex:
-        # its message ends with the creation task's exception (the traceback before it)
-        lines = [ln.strip() for ln in str(ex).splitlines() if ln.strip()]
-        raise IterationConfigError(
-            f"a parameter shard could not start: {lines[-1] if lines else type(ex).__name__}"
-        ) from ex
-
-
-def launch_table_shards(
-    tables: Sequence[TableSpec], num_shards: int
-) -> tuple[str, list[str], list[Any], str]:
-    """Shards holding only ``tables`` (a loaded model; driver, in a Session): the Ray
-    address, their names, handles and fencing token."""
-    from .._session import Session
-
-    session = Session.current()
-    if session is None:
-        import ray
-
-        if not ray.is_initialized():
-            raise IterationConfigError(
-                "ps.load needs Ray: run it inside `with hybrid_iter.Session.local():` (or "
-                "another Session)"
-            )
-        address = ray.get_runtime_context().gcs_address
-    else:
-        address = session.ray_address
-        from .._runtime.ray_util import connect
-
-        connect(address, namespace=NAMESPACE)
-    names, handles, _ = _launch(
-        np.zeros(0), [0] * (num_shards + 1), SGD(1.0), num_workers=1, sync=False, tables=tables
-    )
-    token = _get([handles[0].hello.remote()])[0][0]
-    return address, names, handles, token
-
-
-def retire_shards(kind: ActorKind, handles: Sequence[Any], names: Sequence[str]) -> None:
-    """The shards of a run that ended well, emptied (``forget``) into the spare pool of
-    ``kind``; one that declines or cannot be reached is killed (driver; never raises)."""
-    for i, (handle, name) in enumerate(zip(handles, names, strict=True)):
-        if not retire_as_spare(kind, handle, name, method="forget"):
-            kill(handle, f"parameter shard {i}")
-
-
-def stop_shards(handles: Sequence[Any]) -> None:
-    for i, h in enumerate(handles):
-        kill(h, f"parameter shard {i}")  # never hides the training's own outcome
-
-
-def _type(df: Any, name: str) -> Any:
-    return next(f.dataType for f in df.schema.fields if f.name == name)
+    if checkpoint is not None:
+        return launch()  # the iteration relaunches from its checkpoints itself
+    return relaunch_if_worker_died("ps.train", launch)

@@ -36,15 +36,16 @@ from coordinator._identity import online_checkpoint_spec
 from spark_ops import require_spark_filesystem
 
 from ..._body import IterationBody
+from ..._cluster import context as cluster
+from ..._cluster.placement import actor_class, kill, launch
+from ..._cluster.ray_util import NAMESPACE, connect
 from ..._config import IterationConfig
 from ..._errors import IterationConfigError, IterationFailedError
 from ..._streams import ReplayableDataStreamList
 from ..endpoint import refuse_on_connect
 from ..entry import check_online_entry
 from ..metrics import RunMeter, job_description, online_description, online_meter
-from ..placement import actor_class, kill, launch
 from ..progress import ProgressPrinter
-from ..ray_util import NAMESPACE, connect
 from ..shipping import dumps
 from .config import OnlineConfig, online_config
 from .dead_letters import write_bad_files
@@ -109,6 +110,9 @@ class MicroBatchDriver:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.failed: list[IterationFailedError] = []
+        #: a micro-batch was refused because ``stop()`` was draining (the query then
+        #: ends with that refusal, which is no failure of the user's)
+        self.refused_on_stop = False
         self.printer = ProgressPrinter(cfg.progress, label=cfg.name or "online")
         self.watch = FailureWatch(spark, actor, name)
         self._describe = functools.partial(
@@ -122,9 +126,11 @@ class MicroBatchDriver:
         # which waits for this very call to return
         while not self.lock.acquire(timeout=0.05):
             if self.stopping.is_set():
+                self.refused_on_stop = True
                 raise RuntimeError(STOPPING)
         try:
             if self.stopping.is_set():
+                self.refused_on_stop = True
                 raise RuntimeError(STOPPING)  # not run, not committed: replayed later
             self.run_batch(batch_df, int(batch_id))
         except IterationFailedError as ex:
@@ -285,9 +291,7 @@ def iterate_unbounded_streams(
         )
     parquet, arrow_schema = _our_parquet_source(df, cfg) or (None, None)
 
-    from ..iterate import _ray_address
-
-    address = _ray_address(spark)
+    address = cluster.ray_address(spark)
     connect(address, namespace=NAMESPACE)
     name = f"hybrid_iter.online.{cfg.name or 'iteration'}.{uuid.uuid4().hex[:12]}"
     checkpoint = None

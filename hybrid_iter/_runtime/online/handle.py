@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator import OnlineStatus, OutputRecord
 
+from ..._cluster.placement import kill
 from ..._errors import IterationConfigError, IterationFailedError
 from ..metrics import RunMeter
-from ..placement import kill
 
 if TYPE_CHECKING:
     from .driver import MicroBatchDriver
@@ -214,7 +214,7 @@ class OnlineIteration:
         failure = self._failure()
         if failure is not None:
             return failure
-        if self._stopped and STOPPING in str(ex):
+        if self._stopped and self._driver.refused_on_stop:
             return None  # a micro-batch refused to start because stop() was draining
         return ex
 

@@ -47,15 +47,14 @@ The few calls into Spark's JVM are in functions named ``_jvm_*`` at the end (thr
 Ray's internals are ``_refresh_ray_auth`` (Ray's config reread) and, for Ray on Spark's
 running cluster (its address, head process, job server), ``_active_cluster_address``,
 ``_head_process`` and ``_stop_worker_nodes``; and ``_head_start_polled``, which turns
-Ray on Spark's fixed 20 s wait for its head into a wait for the head's port (the head
-is up in about a second; the worker nodes, launched beside it, then set when the
-session is ready).
+Ray on Spark's fixed 20 s wait for its head into a wait for a new GCS on this machine
+(the head is up in about a second; the worker nodes, launched beside it, then set when
+the session is ready).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import logging
 import math
 import os
@@ -66,35 +65,39 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from spark_ops import _spark_compat
 
+from .._cluster.placement import coordinator_resources as coordinator_resources_rule
+from .._cluster.ray_join import check_ray_address, join_ray
+from .._cluster.ray_util import NAMESPACE, force_loopback, is_loopback_address
 from .._errors import SessionError
-from .placement import HEAD_RESOURCE, RAY_HEAD_RESOURCE
-from .ray_util import NAMESPACE, force_loopback, is_loopback_address
+from .on_spark_plan import (
+    WHERE,
+    check_spark,
+    executors_without_raylet,
+    jvm_executors,
+    missing_raylet_message,
+    plan_slots,
+    probe_executors,
+    ray_path,
+    resolve_host,
+    slots_of,
+    task_cpus,
+    wait_for_executors,
+)
 
-__all__ = [
-    "Executor",
-    "Handover",
-    "OnSpark",
-    "check_master",
-    "executors_without_raylet",
-    "plan_slots",
-    "start",
-]
+__all__ = ["Handover", "OnSpark", "start"]
 
 log = logging.getLogger("hybrid_iter")
 
-_WHERE = "Session.on_spark"
 _HOOK_ENV = "RAY_ON_SPARK_START_HOOK"
 _AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 #: Ray's resource on each worker node started by Ray on Spark (its node id)
 _ROS_NODE_RESOURCE = "NODE_ID_AS_RESOURCE"
-#: how much of a placement resource the coordinator-tier actors each take
-_SHARE = 0.001
 _SUPPORTED = "spark://HOST:PORT (standalone), yarn, or local-cluster[N, CORES, MEMORY]"
 #: how long ``stop`` waits for the Ray head (on the driver's machine) to exit
 STOP_WAIT_SECONDS = 60.0
@@ -102,235 +105,6 @@ STOP_WAIT_SECONDS = 60.0
 #: idle Python workers keep their Ray connections; a Ray on Spark cluster of a session
 #: stops as a whole, so its nodes stop at once unless the environment says otherwise
 _DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
-
-
-@dataclass(frozen=True)
-class Executor:
-    """A Spark executor as the driver sees it: id, host, cores, tasks running now."""
-
-    id: str
-    host: str
-    cores: int
-    active_tasks: int = 0
-
-
-# -- 1. refusals before anything runs ---------------------------------------------------
-
-
-def check_master(master: str) -> None:
-    """``SessionError`` unless Ray on Spark can start worker nodes under ``master``."""
-    if master == "yarn" or master.startswith(("spark://", "local-cluster[")):
-        return
-    if master == "local" or master.startswith("local["):
-        raise SessionError(
-            f"{_WHERE}: master {master!r} runs every task inside the driver's JVM, so Ray on "
-            f"Spark has no executor to start Ray worker nodes on; use "
-            f"hybrid_iter.Session.local(parallelism=N) (Ray and Spark local[N] on this "
-            f"machine), or a cluster master: {_SUPPORTED}"
-        )
-    if master.startswith("k8s://"):
-        raise SessionError(
-            f"{_WHERE}: master {master!r} is Spark on Kubernetes, which Ray on Spark cannot "
-            f"start Ray worker nodes on; run Ray beside it with KubeRay (k8s/ has the "
-            f"manifests) and use hybrid_iter.Session.attach(spark, ray_address='HEAD:6379')"
-        )
-    raise SessionError(
-        f"{_WHERE}: master {master!r} is not one Ray on Spark supports; it needs {_SUPPORTED}"
-    )
-
-
-def check_spark(spark: Any) -> str:
-    """The master of ``spark`` once it is a classic SparkSession Ray on Spark can use."""
-    kind = type(spark)
-    if kind.__module__.startswith("pyspark.sql.connect"):
-        raise SessionError(
-            f"{_WHERE}(spark): a Spark Connect session runs no Python on the executors that "
-            f"this process controls, so Ray on Spark cannot start Ray there; use a classic "
-            f"SparkSession on the cluster's driver, or run Ray beside the cluster and use "
-            f"hybrid_iter.Session.attach"
-        )
-    from pyspark.sql import SparkSession
-
-    if not isinstance(spark, SparkSession):
-        raise SessionError(f"{_WHERE}(spark) needs a pyspark.sql.SparkSession, got {kind.__name__}")
-    master = str(spark.sparkContext.master)
-    check_master(master)
-    conf = spark.sparkContext.getConf()
-    if conf.get("spark.dynamicAllocation.enabled", "false").strip().lower() == "true":
-        raise SessionError(
-            f"{_WHERE}: spark.dynamicAllocation.enabled=true; Spark runs no barrier stage "
-            f"(one task per subtask, all at once) with dynamic allocation, and Ray worker "
-            f"nodes need executors that stay; start the SparkSession with "
-            f"spark.dynamicAllocation.enabled=false and a fixed number of executors"
-        )
-    return master
-
-
-def task_cpus(spark: Any) -> int:
-    try:
-        return max(1, int(spark.sparkContext.getConf().get("spark.task.cpus", "1")))
-    except ValueError:
-        return 1
-
-
-def slots_of(executor: Executor, cpus_per_task: int) -> int:
-    return executor.cores // cpus_per_task
-
-
-def plan_slots(
-    executors: Sequence[Executor],
-    cpus_per_task: int,
-    worker_nodes: int,
-    worker_node_cpus: int,
-    parallelism: int | None,
-) -> int:
-    """The task slots left for subtasks once ``worker_nodes`` Ray worker nodes of
-    ``worker_node_cpus`` cores each run, or ``SessionError`` naming what is short."""
-    if not executors:
-        raise SessionError(f"{_WHERE}: no executor is registered with the Spark driver")
-    biggest = max(e.cores for e in executors)
-    if worker_node_cpus > biggest:
-        raise SessionError(
-            f"{_WHERE}(worker_node_cpus={worker_node_cpus}): a Ray worker node is one Spark "
-            f"task holding that many cores, but the largest executor has {biggest}; give "
-            f"worker_node_cpus <= {biggest}"
-        )
-    total = sum(slots_of(e, cpus_per_task) for e in executors)
-    busy = sum(e.active_tasks for e in executors)
-    free = max(0, total - busy)
-    per_node = math.ceil(worker_node_cpus / cpus_per_task)
-    held = worker_nodes * per_node
-    wanted = 1 if parallelism is None else parallelism
-    if held + wanted > free:
-        running = f" ({busy} running now)" if busy else ""
-        raise SessionError(
-            f"{_WHERE}: {worker_nodes} Ray worker node(s) hold {held} Spark task slot(s) "
-            f"for the cluster's life and the subtasks need {wanted} more at once (one "
-            f"barrier stage), but the {len(executors)} executor(s) have {total} slot(s), "
-            f"{free} free{running} (spark.task.cpus={cpus_per_task}); lower worker_nodes "
-            f"or parallelism, or give the cluster more executors or cores"
-        )
-    return free - held
-
-
-# -- raylets beside the executors --------------------------------------------------------
-
-
-def _resolve(host: str) -> str:
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return host
-
-
-def executors_without_raylet(
-    executors: Sequence[Executor],
-    raylet_addresses: Sequence[str],
-    cpus_per_task: int,
-    resolve: Any = _resolve,
-) -> list[Executor]:
-    """The executors that can run a subtask but have no live raylet on their host.
-
-    A subtask is a Ray driver inside a Spark task: it joins Ray through the raylet of
-    its own host (Unix socket, shared-memory object store). An executor too small for a
-    task (fewer cores than ``spark.task.cpus``) runs no subtask and is not counted."""
-    raylets = {resolve(a) for a in raylet_addresses}
-    return [
-        e
-        for e in executors
-        if slots_of(e, cpus_per_task) > 0
-        and e.host not in raylets
-        and resolve(e.host) not in raylets
-    ]
-
-
-# -- 2. the probe job ---------------------------------------------------------------------
-
-
-def _probe_task(_: Any) -> Iterator[dict[str, Any]]:
-    """Runs in a Spark task on an executor: what its Python worker would run ``ray``
-    with (Ray on Spark's ``start_ray_node`` calls ``shutil.which("ray")``)."""
-    exe_dir = os.path.dirname(sys.executable)
-    beside = os.path.join(exe_dir, "ray")
-    try:
-        version: str | None = importlib.metadata.version("ray")
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    yield {
-        "host": socket.gethostname(),
-        "python": sys.executable,
-        "path": os.environ.get("PATH", ""),
-        "which_ray": shutil.which("ray"),
-        "beside": beside if os.access(beside, os.X_OK) else None,
-        "ray_version": version,
-    }
-
-
-def probe_executors(spark: Any, tasks: int) -> list[dict[str, Any]]:
-    """One small job over ``tasks`` partitions; the distinct answers."""
-    rdd = spark.sparkContext.parallelize(range(tasks), tasks)
-    sc = spark.sparkContext
-    sc.setJobDescription("hybrid_iter Session.on_spark: probe the executors for Ray")
-    try:
-        answers = rdd.mapPartitions(_probe_task).collect()
-    except Exception as ex:
-        raise SessionError(
-            f"{_WHERE}: probing the executors' Python failed: {type(ex).__name__}: {str(ex)[:2000]}"
-        ) from ex
-    finally:
-        sc.setJobDescription(None)
-    distinct: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for a in answers:
-        distinct.setdefault(
-            (a["host"], a["python"], a["which_ray"], a["beside"], a["ray_version"]), a
-        )
-    return list(distinct.values())
-
-
-def _split_path(value: str) -> list[str]:
-    return [p for p in value.split(os.pathsep) if p]
-
-
-def ray_path(probes: Sequence[Mapping[str, Any]], launcher_dir: str | None) -> str | None:
-    """The ``PATH`` the Ray nodes must run with, None when theirs already reaches ``ray``;
-    ``SessionError`` naming the executor's host and Python when none can."""
-    import ray
-
-    wrong = [p for p in probes if p["ray_version"] not in (None, ray.__version__)]
-    if wrong:
-        p = wrong[0]
-        raise SessionError(
-            f"{_WHERE}: the executors' Python on {p['host']} ({p['python']}) has Ray "
-            f"{p['ray_version']}, the driver has Ray {ray.__version__}; a Ray cluster needs "
-            f"one Ray version: install ray=={ray.__version__} in the executors' Python "
-            f"environment"
-        )
-    lacking = [p for p in probes if p["which_ray"] is None and p["beside"] is None]
-    if lacking:
-        p = lacking[0]
-        raise SessionError(
-            f"{_WHERE}: no `ray` executable on the PATH of the executors' Python workers "
-            f"(host {p['host']}, Python {p['python']}, PATH={p['path']!r}) nor beside that "
-            f"Python; Ray on Spark runs `ray start` on every executor: install Ray there "
-            f"(pip install 'hybrid-iter[on_spark]' in the executors' environment), or "
-            f"start the SparkSession with spark.executorEnv.PATH including the directory "
-            f"of its `ray`"
-        )
-    driver_ray = shutil.which("ray")
-    if (
-        launcher_dir is None
-        and driver_ray is not None
-        and all(p["which_ray"] is not None for p in probes)
-    ):
-        return None
-    dirs: list[str] = [launcher_dir] if launcher_dir else []
-    dirs += [os.path.dirname(p["beside"]) for p in probes if p["beside"] and not p["which_ray"]]
-    if driver_ray is None:
-        dirs.append(os.path.dirname(sys.executable))
-    for p in probes:
-        dirs += _split_path(p["path"])
-    dirs += _split_path(os.environ.get("PATH", ""))
-    return os.pathsep.join(dict.fromkeys(dirs))
 
 
 # -- 3. what the Ray nodes and the Python workers get ------------------------------------
@@ -386,11 +160,11 @@ def auth_token(starting: bool) -> str | None:
                 token = f.read().strip()
         except OSError as ex:
             raise SessionError(
-                f"{_WHERE}: RAY_AUTH_TOKEN_PATH={path!r} cannot be read ({ex}); point it at "
+                f"{WHERE}: RAY_AUTH_TOKEN_PATH={path!r} cannot be read ({ex}); point it at "
                 f"the cluster's token file, or set RAY_AUTH_TOKEN"
             ) from None
         if not token:
-            raise SessionError(f"{_WHERE}: RAY_AUTH_TOKEN_PATH={path!r} is empty")
+            raise SessionError(f"{WHERE}: RAY_AUTH_TOKEN_PATH={path!r} is empty")
         return token
     if starting:
         return secrets.token_hex(32)  # this cluster's own, never written to disk
@@ -538,7 +312,7 @@ class OnSpark:
         import ray
 
         nodes = [n for n in ray.nodes() if n.get("Alive")]
-        executors = _jvm_executors(self.spark)
+        executors = jvm_executors(self.spark)
         t = task_cpus(self.spark)
         missing = executors_without_raylet(
             executors, [str(n["NodeManagerAddress"]) for n in nodes], t
@@ -591,26 +365,6 @@ class OnSpark:
         self.handover.restore()
         if self.launcher_dir is not None:
             shutil.rmtree(self.launcher_dir, ignore_errors=True)
-
-
-def missing_raylet_message(missing: Sequence[Executor], nodes: Sequence[Any], started: bool) -> str:
-    names = ", ".join(f"executor {e.id} on {e.host}" for e in missing)
-    hosts = sorted({str(n["NodeManagerAddress"]) for n in nodes})
-    cores = max(e.cores for e in missing)
-    fix = (
-        f"Spark places each Ray worker node (one Spark task) on any executor with free "
-        f"cores, so several can land on one executor: give Session.on_spark("
-        f"worker_node_cpus={cores // 2 + 1}) (more than half of an executor's {cores} cores: "
-        f"then no two fit on one executor and each executor gets one), or more "
-        f"worker_nodes"
-        if started
-        else "start a Ray node on each executor host (ray start --address=...), or let "
-        "Session.on_spark(spark) start Ray on Spark itself"
-    )
-    return (
-        f"{_WHERE}: {names} can run a subtask but has no raylet on its host (Ray nodes run "
-        f"on {hosts}); a subtask joins Ray through the raylet of its own host; {fix}"
-    )
 
 
 def _stop_worker_nodes(seconds: float) -> None:
@@ -666,47 +420,6 @@ def _active_cluster_address() -> str | None:
     return str(cluster.address)
 
 
-def expected_executors(master: str, conf: Mapping[str, str]) -> int:
-    """How many executors the application asked for, as far as its settings say: the N
-    of ``local-cluster[N, ...]``, else ``spark.executor.instances``, else 1."""
-    if master.startswith("local-cluster["):
-        try:
-            return max(1, int(master[len("local-cluster[") :].split(",", 1)[0]))
-        except ValueError:
-            return 1
-    try:
-        return max(1, int(conf.get("spark.executor.instances", "1")))
-    except ValueError:
-        return 1
-
-
-def _wait_for_executors(spark: Any, seconds: float) -> list[Executor]:
-    """The executors, once as many as the application asked for have registered (Ray
-    worker nodes are placed by the executors there are), at most ``seconds``."""
-    sc = spark.sparkContext
-    wanted = expected_executors(str(sc.master), dict(sc.getConf().getAll()))
-    deadline = time.monotonic() + seconds
-    executors = _jvm_executors(spark)
-    while len(executors) < wanted and time.monotonic() < deadline:
-        time.sleep(0.5)  # polling an external registration (executors), bounded
-        executors = _jvm_executors(spark)
-    if not executors:
-        raise SessionError(
-            f"{_WHERE}: no executor registered with the Spark driver within {seconds:.0f}s; "
-            f"check that the cluster has workers with free cores and memory for this "
-            f"application"
-        )
-    if len(executors) < wanted:
-        log.warning(
-            "%s: %d of %d executors registered within %.0fs; Ray goes on those",
-            _WHERE,
-            len(executors),
-            wanted,
-            seconds,
-        )
-    return executors
-
-
 def start(
     spark: Any,
     *,
@@ -728,20 +441,20 @@ def start(
     from spark_ops import available_task_slots, hold_task_slots
 
     t = task_cpus(spark)
-    executors = _wait_for_executors(spark, executor_wait_seconds)
+    executors = wait_for_executors(spark, executor_wait_seconds)
     if ray_address is None:
         ray_address = _active_cluster_address()
     current = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
     starting = ray_address is None
     if starting and current is not None:
         raise SessionError(
-            f"{_WHERE}: this process is already connected to the Ray cluster at {current}; "
+            f"{WHERE}: this process is already connected to the Ray cluster at {current}; "
             f"pass ray_address={current!r} to run on it, or call ray.shutdown() first to "
             f"start Ray on Spark"
         )
     if not starting and current is not None and ray_address not in ("auto", current):
         raise SessionError(
-            f"{_WHERE}(ray_address={ray_address!r}): this process is already connected to "
+            f"{WHERE}(ray_address={ray_address!r}): this process is already connected to "
             f"the Ray cluster at {current}; call ray.shutdown() first, or run in a fresh "
             f"process"
         )
@@ -758,7 +471,7 @@ def start(
         handover.worker_env.update(auth)
         handover.node_env.update(auth)
     launcher_dir: str | None = None
-    head_host = _resolve(str(spark.sparkContext.getConf().get("spark.driver.host", "")))
+    head_host = resolve_host(str(spark.sparkContext.getConf().get("spark.driver.host", "")))
     if starting:
         handover.node_env[_DRAIN_ENV] = os.environ.get(_DRAIN_ENV, "0")
     try:
@@ -804,7 +517,7 @@ def start(
         handle.coordinator_resources = (
             dict(coordinator_resources)
             if coordinator_resources is not None
-            else _driver_node_resources(starting)
+            else coordinator_resources_rule(driver_node=True)
         )
         handle.held_slots()  # every executor has a raylet beside it, or a SessionError
         handle.previous_holder = hold_task_slots(spark, handle.held_slots)
@@ -812,7 +525,7 @@ def start(
             free = available_task_slots(spark)
             if parallelism > free:
                 raise SessionError(
-                    f"{_WHERE}(parallelism={parallelism}): the Ray cluster at {address} "
+                    f"{WHERE}(parallelism={parallelism}): the Ray cluster at {address} "
                     f"leaves {free} task slot(s) of this application free for subtasks; "
                     f"lower parallelism or add executors"
                 )
@@ -861,7 +574,7 @@ def _setup(
             )
     except Exception as ex:
         raise SessionError(
-            f"{_WHERE}: Ray on Spark could not start {nodes} Ray worker node(s) of "
+            f"{WHERE}: Ray on Spark could not start {nodes} Ray worker node(s) of "
             f"{node_cpus} core(s): {type(ex).__name__}: {ex}"
             + (f" ({ex.__cause__})" if ex.__cause__ else "")
         ) from ex
@@ -883,57 +596,70 @@ class _HeadStartWait:
     """Stands in for the ``time`` module of Ray on Spark's ``cluster_init`` while
     ``_setup`` calls it. After launching the head, Ray on Spark sleeps a fixed
     ``_RAY_HEAD_STARTUP_TIMEOUT`` (20 s) and then checks once that the head's GCS port
-    is in use. This sleep returns as soon as that check would pass (or the head process
-    has exited, which Ray's check then reports), within the same 20 s; the driver's
-    ``ray.init`` that follows waits for the head's raylet itself. Every other sleep, a
-    sleep in another thread, and a caller that does not hold the head's address and
-    process (another Ray version) get the real, full sleep."""
+    is in use. That one sleep (that many seconds, on the thread that made this) returns
+    as soon as ``head_up()`` says a head has started, within the same 20 s; Ray's own
+    check follows, and the driver's ``ray.init`` then waits for the head's raylet itself.
+    Every other sleep, and a sleep of another thread, is the real one. Nothing of Ray's
+    frames is read: the head is found as Ray finds local clusters (``_new_gcs``)."""
 
-    def __init__(self, module: Any) -> None:
+    def __init__(self, module: Any, head_up: Callable[[], bool]) -> None:
         self._module = module
         self._time = module.time
+        self._head_up = head_up
         self._thread = threading.get_ident()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._time, name)
 
     def sleep(self, seconds: float) -> None:
-        head = self._head(seconds, sys._getframe(1).f_locals)
-        if head is None:
+        wait = getattr(self._module, "_RAY_HEAD_STARTUP_TIMEOUT", None)
+        if threading.get_ident() != self._thread or seconds != wait:
             self._time.sleep(seconds)  # the caller's own sleep, as it wrote it
             return
-        ip, port, proc, in_use = head
         deadline = time.monotonic() + seconds
-        while not in_use(ip, port) and proc.poll() is None:
+        while not self._head_up():
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            time.sleep(min(0.1, left))  # polling the head's start, bounded
+            time.sleep(min(0.2, left))  # polling the head's start, bounded
 
-    def _head(self, seconds: float, caller: Mapping[str, Any]) -> tuple[Any, ...] | None:
-        if threading.get_ident() != self._thread:
-            return None
-        if seconds != getattr(self._module, "_RAY_HEAD_STARTUP_TIMEOUT", None):
-            return None
-        ip, port = caller.get("ray_head_ip"), caller.get("ray_head_port")
-        proc, in_use = caller.get("ray_head_proc"), getattr(self._module, "is_port_in_use", None)
-        if not (isinstance(ip, str) and isinstance(port, int) and callable(in_use)):
-            return None
-        if not callable(getattr(proc, "poll", None)):
-            return None
-        return ip, port, proc, in_use
+
+def _new_gcs(before: frozenset[str]) -> Callable[[], bool]:
+    """Whether a Ray GCS that was not running at the call answers on this machine now
+    (``ray._private.services.find_gcs_addresses``, Ray's finder of local clusters, which
+    reads the processes' command lines)."""
+    from ray._private import services
+
+    def up() -> bool:
+        services.find_gcs_addresses.cache_clear()
+        for address in set(services.find_gcs_addresses()) - before:
+            host, _, port = str(address).rpartition(":")
+            with contextlib.suppress(OSError, ValueError):
+                with socket.create_connection((host.strip("[]"), int(port)), timeout=0.5):
+                    return True
+        return False
+
+    return up
 
 
 @contextlib.contextmanager
 def _head_start_polled() -> Iterator[None]:
-    """``_HeadStartWait`` in place of ``cluster_init.time`` for the duration."""
+    """``_HeadStartWait`` in place of ``cluster_init.time`` for the duration. Read from
+    Ray 2.60's ``_setup_ray_cluster`` (``test_on_spark.py`` checks its shape); on a Ray
+    whose module is not laid out so, nothing is replaced and Ray's 20 s sleep stays."""
+    from ray._private import services
     from ray.util.spark import cluster_init
 
     real = getattr(cluster_init, "time", None)
-    if real is not time:  # not the module this was written against: leave it alone
+    finder = getattr(services, "find_gcs_addresses", None)
+    if real is not time or not hasattr(finder, "cache_clear"):
         yield
         return
-    setattr(cluster_init, "time", _HeadStartWait(cluster_init))  # noqa: B010 (a stand-in)
+    finder.cache_clear()
+    before = frozenset(finder())
+    setattr(  # noqa: B010 (a stand-in)
+        cluster_init, "time", _HeadStartWait(cluster_init, _new_gcs(before))
+    )
     try:
         yield
     finally:
@@ -943,40 +669,11 @@ def _head_start_polled() -> Iterator[None]:
 def _join(address: str, current: str | None, connect_timeout: float) -> str:
     import ray
 
-    from .._session import _join_ray, check_ray_address
-
     if current is not None:
         return current
-    address = check_ray_address(address, f"{_WHERE}(ray_address)")
-    _join_ray(address, connect_timeout)
+    address = check_ray_address(address, f"{WHERE}(ray_address)")
+    join_ray(address, connect_timeout)
     return str(ray.get_runtime_context().gcs_address)
-
-
-def _driver_node_resources(started: bool) -> dict[str, float]:
-    """Where the coordinator and the PS shards go: the driver's node. That is the head
-    of a cluster started here (Ray on Spark starts it beside the driver); in a joined
-    one, the node this driver joined through. A custom ``hybrid_iter_head`` resource
-    wins, as everywhere (``placement.coordinator_resources``)."""
-    import ray
-
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    if any(HEAD_RESOURCE in n.get("Resources", {}) for n in nodes):
-        return {HEAD_RESOURCE: _SHARE}
-    if started:
-        return {RAY_HEAD_RESOURCE: _SHARE}
-    mine = ray.get_runtime_context().get_node_id()
-    for n in nodes:
-        if n["NodeID"] == mine:
-            if RAY_HEAD_RESOURCE in n.get("Resources", {}):
-                return {RAY_HEAD_RESOURCE: _SHARE}
-            return {f"node:{n['NodeManagerAddress']}": _SHARE}
-    return {}  # pragma: no cover - a connected driver's node is alive
-
-
-def _jvm_executors(spark: Any) -> list[Executor]:
-    """The live executors (not the driver): id, host, cores, running tasks."""
-    found = [Executor(*e) for e in _spark_compat.executor_statuses(spark)]
-    return sorted(found, key=lambda e: (len(e.id), e.id))
 
 
 def _jvm_make_active(spark: Any) -> None:

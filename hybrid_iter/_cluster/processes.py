@@ -1,17 +1,25 @@
-"""What a ``Session.local`` start that failed or was interrupted midway leaves behind
-(driver): ``ray.init`` keeps no handle to the processes it started, so ``ray.shutdown``
-cannot end them; PySpark's JVM launch keeps its process to itself until the JVM's port
-comes."""
+"""This driver's processes: what Spark's Python workers need in the environment, whether a
+process is alive, and what a ``Session.local`` start that failed or was interrupted midway
+leaves behind: ``ray.init`` keeps no handle to the processes it started, so
+``ray.shutdown`` cannot end them; PySpark's JVM launch keeps its process to itself until
+the JVM's port comes. Runs on the driver.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 
-__all__ = ["end_ray_processes_of_a_failed_start", "end_spark_jvm_launch"]
+__all__ = [
+    "alive",
+    "end_ray_processes_of_a_failed_start",
+    "end_spark_jvm_launch",
+    "prepare_process_env",
+]
 
 
 def _processes() -> tuple[dict[int, int], dict[int, int], set[int]]:
@@ -133,14 +141,14 @@ def end_ray_processes_of_a_failed_start(
                 os.kill(pid, signal.SIGCONT)
         deadline = time.monotonic() + 5
         while doomed and time.monotonic() < deadline:
-            doomed = {p for p in doomed if _alive(p)}
+            doomed = {p for p in doomed if alive(p)}
             if doomed:
                 time.sleep(0.05)  # polling the processes' exit, bounded
         if not doomed:
             return
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """``pid`` is running (a zombie is reaped here if it is our child)."""
     with contextlib.suppress(ChildProcessError, OSError):
         if os.waitpid(pid, os.WNOHANG)[0] == pid:
@@ -150,3 +158,10 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def prepare_process_env() -> None:
+    """Spark's Python workers must run this interpreter and stay on loopback."""
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
