@@ -60,7 +60,6 @@ from ._shard_protocol import (
     Save,
     ShardSpec,
     Values,
-    Wait,
     WriteCheckpoint,
 )
 from ._shell import import_ahead, object_store, was_reconstructed
@@ -81,24 +80,37 @@ __all__ = [
 
 
 class _Slot:
-    """Where the answer of a call that never waits goes (the asyncio shell's calls use
-    futures of its loop, which have the same three methods)."""
+    """Where the answer of a call goes. A call the core answers at once (most) costs no
+    future; one that waits gets a future of the running loop (``waiting``), which the
+    answer resolves."""
 
-    __slots__ = ("answered", "error", "value")
+    __slots__ = ("answered", "error", "future", "value")
 
     def __init__(self) -> None:
         self.answered = False
         self.value: Any = None
         self.error: BaseException | None = None
+        self.future: asyncio.Future[None] | None = None
 
     def done(self) -> bool:
-        return self.answered
+        """Answered, or its caller gave up waiting (its task was cancelled)."""
+        return self.answered or (self.future is not None and self.future.done())
 
     def set_result(self, value: Any) -> None:
         self.value, self.answered = value, True
+        if self.future is not None:
+            self.future.set_result(None)
 
     def set_exception(self, error: BaseException) -> None:
         self.error, self.answered = error, True
+        if self.future is not None:
+            self.future.set_result(None)
+
+    def waiting(self) -> asyncio.Future[None]:
+        """The future the caller awaits until the answer (made on first need)."""
+        if self.future is None:
+            self.future = asyncio.get_running_loop().create_future()
+        return self.future
 
     def result(self) -> Any:
         if self.error is not None:
@@ -145,30 +157,27 @@ class _ShardShell:
     def _run(self, event: Event) -> None:
         """Hand ``event`` to the core and carry out its instructions, in order."""
         for ins in self.core.handle(event):
-            match ins:
-                case Reply(slot, value):
-                    if not slot.done():  # a waiting call its caller gave up is left alone
-                        slot.set_result(self._wire(value) if type(value) is Values else value)
-                case Refuse(slot, error):
-                    if not slot.done():
-                        slot.set_exception(error)
-                case Put(_, value):
-                    assert self._put is not None  # the core puts only where it can
-                    self._ref = self._put(value)
-                case WriteCheckpoint(uri, name, record):
-                    store = CheckpointStore(
-                        uri, keep_last=0, key=self.spec.key, run_id=self.spec.run_id
-                    )
-                    write_record(store, name, record)
-                case Wait():
-                    pass  # answered by a later event's Reply or Refuse
+            if isinstance(ins, Reply):
+                slot = ins.slot
+                if not slot.done():  # a waiting call its caller gave up is left alone
+                    value = ins.value
+                    slot.set_result(self._wire(value) if type(value) is Values else value)
+            elif isinstance(ins, Refuse):
+                if not ins.slot.done():
+                    ins.slot.set_exception(ins.error)
+            elif isinstance(ins, Put):
+                assert self._put is not None  # the core puts only where it can
+                self._ref = self._put(ins.value)
+            elif isinstance(ins, WriteCheckpoint):
+                spec = self.spec
+                store = CheckpointStore(ins.uri, keep_last=0, key=spec.key, run_id=spec.run_id)
+                write_record(store, ins.name, ins.record)
+            # a Wait: a later event's Reply or Refuse answers it
 
     def _call(self, event: Event) -> Any:
         """Run a call that is answered at once; its reply (or its refusal, raised)."""
         self._run(event)
-        slot = event.slot
-        assert isinstance(slot, _Slot)
-        return slot.result()
+        return event.slot.result()
 
     def _wire(self, v: Values) -> Any:
         """A ``Values`` as a worker receives it: ``(version, inline values or None,
@@ -365,9 +374,11 @@ class ParameterShard(_ShardShell):
         """``(version, inline values or None, object ref or None)``; sync: the parameters
         before step ``(epoch, step)``, async: the newest. With ``keys`` (per table) the
         rows of those keys follow, remembered for ``pid``'s next push."""
-        slot: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        slot = _Slot()
         self._run(Pull(slot, pid, epoch, step, token, keys))
-        return await slot
+        if not slot.answered:
+            await slot.waiting()
+        return slot.result()
 
     async def push(
         self,
@@ -387,11 +398,13 @@ class ParameterShard(_ShardShell):
         array or ``(indices, values)``; ``tables``: per table, gradient rows aligned with
         the rows sent for this step); with ``pull_next`` the reply carries the
         parameters of its next step (and, with ``keys``, the rows of those keys)."""
-        slot: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        slot = _Slot()
         self._run(
             Push(slot, pid, epoch, step, grad, rows, last, pull_next, token, tables, keys, span)
         )
-        return await slot
+        if not slot.answered:
+            await slot.waiting()
+        return slot.result()
 
     async def push_packed(self, msg: tuple[Any, ...]) -> Any:
         """``push(*msg)``: one Ray argument instead of seven (less per-call overhead)."""
@@ -403,9 +416,11 @@ class ParameterShard(_ShardShell):
         """``(version, inline, ref, rows per table)``: the dense parameters and the
         ``lookup`` of ``keys`` once step ``(epoch, step)`` is reached (sync: the
         parameters before it; ``epoch`` None: now)."""
-        slot: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        slot = _Slot()
         self._run(Lookup(slot, token, keys, True, None if epoch is None else (epoch, step)))
-        return await slot
+        if not slot.answered:
+            await slot.waiting()
+        return slot.result()
 
 
 class FreeShard(_ShardShell):

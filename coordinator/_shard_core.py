@@ -100,13 +100,14 @@ _TableParts = list[tuple[np.ndarray, np.ndarray] | None]
 class _Waiting:
     """A call that waits: for step ``until`` (sync) or for its gate (async ``until``
     None); answered with the dense values and ``pid``'s rows (``rows``), or, for a
-    ``Lookup``, the dense values and the lookup of ``lookup``."""
+    ``Lookup`` (``is_lookup``), the dense values and the lookup of ``keys``."""
 
     slot: Any
     pid: int
     rows: bool
     until: tuple[int, int] | None = None
-    lookup: Any = None
+    is_lookup: bool = False
+    keys: Any = None
 
 
 class ShardCore(SpareLife):
@@ -261,7 +262,10 @@ class ShardCore(SpareLife):
         self._prepare(ev.pid, ev.keys)
         rows = ev.keys is not None
         if self.spec.sync:
-            self._ready_or_wait(out, _Waiting(ev.slot, ev.pid, rows, (ev.epoch, ev.step)))
+            if (self.epoch, self.step) >= (ev.epoch, ev.step):
+                self._give(out, ev.slot, ev.pid, rows, newest=False)
+            else:
+                self._wait(out, _Waiting(ev.slot, ev.pid, rows, (ev.epoch, ev.step)))
         else:
             self._give(out, ev.slot, ev.pid, rows, newest=True)
 
@@ -282,8 +286,10 @@ class ShardCore(SpareLife):
                 self._answer(out, ev.slot, None)
                 return
             self._prepare(pid, ev.keys)
-            if self._may_go(pid):
-                self._through_gate(out, _Waiting(ev.slot, pid, rows))
+            if self.spec.staleness_steps is None:
+                self._give(out, ev.slot, pid, rows, newest=True)
+            elif self._may_go(pid):
+                self._through_gate(out, ev.slot, pid, rows)
             else:
                 self._gates.append(_Waiting(ev.slot, pid, rows))
                 self.stats["gate_waits"] += 1
@@ -299,13 +305,16 @@ class ShardCore(SpareLife):
             self._answer(out, ev.slot, None)
             return
         self._prepare(pid, ev.keys)
-        self._ready_or_wait(out, _Waiting(ev.slot, pid, rows, (epoch, step + 1)))
+        if (self.epoch, self.step) >= (epoch, step + 1):
+            self._give(out, ev.slot, pid, rows, newest=False)
+        else:
+            self._wait(out, _Waiting(ev.slot, pid, rows, (epoch, step + 1)))
 
     def _on_lookup(self, ev: Lookup, out: list[Instruction]) -> None:
         self._check_token(ev.token)
-        waiting = _Waiting(ev.slot, -1, False, ev.at, ev.keys)
-        if ev.dense and ev.at is not None and self.spec.sync:
-            self._ready_or_wait(out, waiting)
+        waiting = _Waiting(ev.slot, -1, False, ev.at, True, ev.keys)
+        if ev.dense and ev.at is not None and self.spec.sync and (self.epoch, self.step) < ev.at:
+            self._wait(out, waiting)
         elif ev.dense:
             self._give_lookup(out, waiting)
         else:
@@ -402,17 +411,13 @@ class ShardCore(SpareLife):
         self.answered += 1
         out.append(Reply(slot, value))
 
-    def _ready_or_wait(self, out: list[Instruction], waiting: _Waiting) -> None:
-        """Sync: answer ``waiting`` now if its step is reached, else keep it waiting."""
-        assert waiting.until is not None
-        if (self.epoch, self.step) >= waiting.until:
-            self._release(out, waiting)
-        else:
-            self._waiters.append(waiting)
-            out.append(Wait(waiting.slot, waiting.until))
+    def _wait(self, out: list[Instruction], waiting: _Waiting) -> None:
+        """Sync: ``waiting`` waits for its step (``_advance`` answers it)."""
+        self._waiters.append(waiting)
+        out.append(Wait(waiting.slot, waiting.until))
 
     def _release(self, out: list[Instruction], waiting: _Waiting) -> None:
-        if waiting.lookup is not None:
+        if waiting.is_lookup:
             self._give_lookup(out, waiting)
         else:
             self._give(out, waiting.slot, waiting.pid, waiting.rows, newest=False)
@@ -427,9 +432,7 @@ class ShardCore(SpareLife):
 
     def _give_lookup(self, out: list[Instruction], waiting: _Waiting) -> None:
         version, inline, by_ref = self._dense(out, False)
-        self._answer(
-            out, waiting.slot, Values(version, inline, by_ref, self._lookup(waiting.lookup))
-        )
+        self._answer(out, waiting.slot, Values(version, inline, by_ref, self._lookup(waiting.keys)))
 
     def _dense(self, out: list[Instruction], newest: bool) -> tuple[int, np.ndarray | None, bool]:
         """The current dense values as a reply carries them: inline (a copy) when small or
@@ -656,15 +659,15 @@ class ShardCore(SpareLife):
         keep = []
         for waiting in self._gates:
             if self._may_go(waiting.pid):
-                self._through_gate(out, waiting)
+                self._through_gate(out, waiting.slot, waiting.pid, waiting.rows)
             else:
                 keep.append(waiting)
         self._gates = keep
 
-    def _through_gate(self, out: list[Instruction], waiting: _Waiting) -> None:
+    def _through_gate(self, out: list[Instruction], slot: Any, pid: int, rows: bool) -> None:
         # the lead a released worker starts its next step with (at most the bound)
-        self.stats["max_lead"] = max(self.stats["max_lead"], self.lead(waiting.pid))
-        self._give(out, waiting.slot, waiting.pid, waiting.rows, newest=True)
+        self.stats["max_lead"] = max(self.stats["max_lead"], self.lead(pid))
+        self._give(out, slot, pid, rows, newest=True)
 
     # -- sync steps and the apply -------------------------------------------------------------
 
