@@ -50,6 +50,7 @@ from ._shell import (
     was_reconstructed,
 )
 from ._snapshots import CheckpointInfo, Snapshots
+from ._spare import SpareLife
 from ._spec import CoordinatorSpec
 from ._tree import CoordinatorTree, _GroupCall, _Member
 from ._variables import VariablesPayload, VariablesStore
@@ -57,9 +58,10 @@ from ._variables import VariablesPayload, VariablesStore
 __all__ = ["IterationCoordinator"]
 
 
-class IterationCoordinator(EndpointServing):
+class IterationCoordinator(SpareLife, EndpointServing):
     """One iteration's coordinator, called through Ray (or its endpoint, ``_endpoint.py``)."""
 
+    SPARE_OF = "coordinator"
     spec: CoordinatorSpec
 
     def __init__(
@@ -75,24 +77,31 @@ class IterationCoordinator(EndpointServing):
         if spec is not None:
             self._setup(spec, put)
             return
+        self._spare = True
         import_ahead(warm)
 
     def configure(self, spec: CoordinatorSpec) -> None:
         """Make a spare the coordinator of ``spec``'s run, as the constructor would have
-        (once; a spare runs without checkpoints, so Ray never restarts it)."""
-        if hasattr(self, "spec"):
-            raise RuntimeError("this coordinator is configured already")
+        (once; a spare runs without checkpoints, so Ray never restarts it; the spare
+        protocol is ``_spare.py``'s)."""
+        self._take_run(restarted=was_reconstructed())
         self._setup(spec, None)
 
     def retire(self) -> bool:
         """After a run that ended well (every Spark task of it has ended, so no call of
         it is on the way): forget the run and wait, as a spare, for the next
         ``configure``. False when it must be killed instead: it owns group actors (a
-        feedback tree) or holds a failure."""
-        if self.core.failures or (self._tree is not None and self._tree.groups):
+        feedback tree), holds a failure, or was restarted by Ray."""
+        if self._spare:
+            return True
+        if (
+            self.core.failures
+            or (self._tree is not None and self._tree.groups)
+            or was_reconstructed()
+        ):
             return False
         self.close_endpoint()
-        self.__dict__.clear()
+        self._back_to_spare()
         return True
 
     def _setup(self, spec: CoordinatorSpec, put: Callable[[Any], Any] | None) -> None:

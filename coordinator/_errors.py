@@ -33,6 +33,7 @@ __all__ = [
     "NonFiniteVariables",
     "RemoteFailure",
     "SavedModelError",
+    "SpareMisuse",
     "StaleShardCall",
     "StateMachineError",
     "UnpicklableOperator",
@@ -58,6 +59,11 @@ class ConfigTypeError(IterationConfigError, TypeError):
 class UsageError(HybridIterError, RuntimeError):
     """An API called where it cannot be (``out.criteria()`` without a criteria stream,
     ``LBFGS.tell()`` after the minimisation finished, ...)."""
+
+
+class SpareMisuse(UsageError):
+    """A spare actor's life-cycle call where it cannot be (``coordinator._spare``):
+    ``configure`` of an actor that serves a run already, or of a spare Ray restarted."""
 
 
 class EndpointError(HybridIterError, ConnectionError):

@@ -1,8 +1,9 @@
 """Where an array first holds NaN or infinity: the one finiteness rule of every entry.
 
-``first_nonfinite`` locates the first bad value (C order); ``nonfinite_text`` says where
-it is in the user's own terms; ``check_finite`` refuses initial values with both. The
-bounded and the online iteration entries, ``ps.train``'s ``init``, its workers'
+``first_nonfinite`` locates the first bad value (C order); ``count_nonfinite`` counts
+them; ``nonfinite_text`` says where the first is in the user's own terms;
+``check_finite`` refuses initial values with both. The bounded and the online iteration
+entries, the coordinator's ``publish_variables``, ``ps.train``'s ``init``, its workers'
 gradients and the parameter shards all use these, so the rule and its message are
 written once. Imports neither pyspark nor Ray nor ``hybrid_iter``.
 """
@@ -19,6 +20,7 @@ from ._errors import IterationConfigError
 __all__ = [
     "check_finite",
     "check_finite_variables",
+    "count_nonfinite",
     "first_nonfinite",
     "index_text",
     "nonfinite_text",
@@ -53,6 +55,14 @@ def first_nonfinite(value: Any) -> int | None:
     return None  # finite values whose sum overflowed
 
 
+def count_nonfinite(value: Any) -> int:
+    """How many values of ``value`` are NaN or infinite (0 for integers and booleans)."""
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "fc":
+        return 0
+    return int(arr.size - np.count_nonzero(np.isfinite(arr)))
+
+
 def index_text(shape: tuple[int, ...], flat_index: int) -> str:
     """``[1, 0]`` for flat index 2 of shape (3, 2); ``""`` for a 0-d array."""
     if not shape:
@@ -68,7 +78,7 @@ def nonfinite_text(what: str, value: Any, flat_index: int) -> str:
     bad = arr.reshape(-1)[flat_index]
     if arr.ndim == 0:
         return f"{what} is {bad}"
-    count = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+    count = count_nonfinite(arr)
     return (
         f"{what}{index_text(arr.shape, flat_index)} is {bad} (flat index {flat_index}; "
         f"{count} of its {arr.size} values are NaN/inf)"

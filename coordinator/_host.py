@@ -28,6 +28,7 @@ from ._core import (
     Watermark,
 )
 from ._errors import NonFiniteVariables, RemoteFailure, UserCodeFailed, ValueEncodeError
+from ._finite import count_nonfinite, first_nonfinite, index_text
 from ._hooks import RuntimeHooks
 from ._operator_api import CoordinatorCollector, CoordinatorContext, overrides
 from ._protocol import Emissions, OutputRecord
@@ -220,13 +221,15 @@ class OperatorHost:
         if self.ctx.terminating:
             return  # the terminating round's publishes are fed back nowhere (loop closed)
         for name, value in variables.items():
-            arr = np.asarray(value)
-            if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
-                bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+            i = first_nonfinite(value)
+            if i is not None:
+                arr = np.asarray(value)
                 raise NonFiniteVariables(
-                    f"publish_variables({name}=...) at epoch {self.ctx.epoch} has {bad} "
-                    f"NaN/inf value(s) of {arr.size}; the update diverged (lower the learning "
-                    f"rate, scale the features) or its input had NaN"
+                    f"publish_variables({name}=...) at epoch {self.ctx.epoch} has "
+                    f"{count_nonfinite(arr)} NaN/inf value(s) of {arr.size}, the first "
+                    f"{name}{index_text(arr.shape, i)} = {arr.reshape(-1)[i]}; the update "
+                    f"diverged (lower the learning rate, scale the features) or its input "
+                    f"had NaN"
                 )
         self.store.publish(variables)
         self._counts.append((self.ctx.epoch, 1, 0))

@@ -37,8 +37,10 @@ import them (``hybrid_iter``, ``hybrid_iter.ps``, ``hybrid_iter.cli``,
     ├── StoredArraysLost (RuntimeError)      the array cache lost what a fit was to read
     │                                        (the fit reads from Spark instead)
     ├── UsageError (RuntimeError)            an API called where it cannot be
-    │                                        (``out.criteria()`` without a criteria
-    │                                        stream, ``LBFGS.tell()`` once finished)
+    │   │                                    (``out.criteria()`` without a criteria
+    │   │                                    stream, ``LBFGS.tell()`` once finished)
+    │   └── SpareMisuse                      ``configure`` of a spare actor that serves
+    │                                        a run already, or that Ray restarted
     ├── VariablesMismatchError (ValueError)  publish_variables() with an unknown name or
     │   ├── NonFiniteVariables               a wrong shape, NaN/inf values; partitions
     │   │   └── NonFiniteGradient            feeding back arrays of different shapes

@@ -170,13 +170,15 @@ def spark(session):
 
 @pytest.fixture
 def validate_cores(monkeypatch):
-    """Every ``CoordinatorCore`` and ``OnlineLedger`` the test makes (also inside a
-    coordinator it drives) has its invariants checked (``validate()``) when the test ends."""
+    """Every ``CoordinatorCore``, ``OnlineLedger`` and ``ShardCore`` the test makes (also
+    inside a coordinator or shard it drives) has its invariants checked (``validate()``)
+    when the test ends."""
     from coordinator import CoordinatorCore
     from coordinator._online import OnlineLedger
+    from coordinator._shard_core import ShardCore
 
-    made: list[CoordinatorCore | OnlineLedger] = []
-    for cls in (CoordinatorCore, OnlineLedger):
+    made: list[CoordinatorCore | OnlineLedger | ShardCore] = []
+    for cls in (CoordinatorCore, OnlineLedger, ShardCore):
         monkeypatch.setattr(cls, "__init__", _recording(cls.__init__, made))
     yield made
     for core in made:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 
+import numpy as np
 import pytest
 
 import hybrid_iter as hi
@@ -100,6 +101,24 @@ def test_coordinator_failing_in_open_answers_every_call_with_the_failure():
     assert c.progress().failed
     reply = asyncio.run(c.report(0, 0, 0, Emissions(), [1]))
     assert reply.error.where == "Broken.open" and "cannot open" in reply.error.message
+
+
+def test_publishing_nan_fails_naming_how_many_and_where_the_first_is():
+    class Diverges(Sum):
+        def on_epoch_watermark_incremented(self, epoch, ctx, out):
+            out.publish_variables(total=np.array([1.0, np.nan, np.inf]))
+
+    async def main():
+        c = coordinator(n=1, op=Diverges())
+        await c.report(0, 0, 0, Emissions(), [1])
+        return await c.report(0, 1, 0, Emissions(feedback=[1.0]))
+
+    reply = asyncio.run(main())
+    assert reply.error is not None and reply.error.type_name == "NonFiniteVariables"
+    assert "publish_variables(total=...) at epoch 0 has 2 NaN/inf value(s) of 3, the first " in (
+        reply.error.message
+    )
+    assert "total[1] = nan" in reply.error.message
 
 
 def test_failures_pickle_with_their_fields():
