@@ -116,6 +116,9 @@ def run_sgd(data: Data, dim: int, epochs: int, repeats: int) -> Run:
     return run
 
 
+# -- ps.train -----------------------------------------------------------------------------------
+
+
 def run_ps(
     spec: PsSpec,
     dim: Any,
@@ -239,7 +242,7 @@ def _iteration_start() -> Iterator[list[float]]:
         _train.iterate_bounded_streams_until_termination = inner
 
 
-# -- the run ----------------------------------------------------------------------------------
+# -- ps.train's checks against the other contenders, and the D sweep -------------------------
 
 
 def compare_with_floor(floor: NumpyFloor, keys: np.ndarray, kept: dict[str, Any]) -> Callable:
