@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ._harness import beside, figure, write_report
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
@@ -63,78 +65,72 @@ def _commands(names: list[str], quick: bool) -> list[tuple[str, list[str]]]:
     return out
 
 
-def _summary_png(reports: dict[str, Any], path: Path) -> Path | None:
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        print("benchmarks: matplotlib is not installed: no suite.png (pip install matplotlib)")
-        return None
-    fig = Figure(figsize=(13, 9))
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 2)
-    ml = reports.get("ml") or {}
-    for ax, key, unit, title in (
-        (axes[0][0], "lr", "s_per_epoch", "logistic regression: ms per epoch"),
-        (axes[0][1], "kmeans", "s_per_pass", "KMeans: ms per Lloyd pass"),
-    ):
-        part = ml.get(key)
-        if not part:
-            ax.set_axis_off()
-            continue
-        bars = {"numpy": part[f"numpy_{unit}"], "hybrid_iter": part[f"ours_{unit}"]}
-        mllib = part.get("mllib") or {}
-        if mllib:
-            bars["MLlib (marginal)"] = mllib["marginal_s_per_iteration"]
-            bars["MLlib (amortised)"] = mllib["amortised_s_per_iteration"]
-        ax.bar(list(bars), [v * 1e3 for v in bars.values()], color="C0")
-        ax.set_title(f"{title} ({part['rows']:,} x {part['features']})")
-        ax.set_ylabel("ms")
-        ax.tick_params(axis="x", labelsize=8)
-    ax = axes[1][0]
-    asy = reports.get("async")
-    if asy and asy.get("seconds_to_target"):
-        names = list(asy["seconds_to_target"])
-        values = [asy["seconds_to_target"][n] or 0.0 for n in names]
-        ax.bar(names, values, color=["C1" if n == "sync" else "C2" for n in names])
-        ax.set_title(
-            f"seconds to loss {asy['target_loss']:.4f}, subtask {asy['slowed_subtask']} "
-            f"slowed {asy['slowdown']:g}x"
-        )
-        ax.set_ylabel("s")
-    else:
+def _ml_panel(ax: Any, part: dict[str, Any] | None, unit: str, title: str) -> None:
+    if not part:
         ax.set_axis_off()
-    ax = axes[1][1]
-    ps = reports.get("ps")
-    if ps and ps.get("results"):
-        for shards in sorted({r["shards"] for r in ps["results"]}):
-            rows = [r for r in ps["results"] if r["shards"] == shards]
-            ax.plot(
-                [r["size"] for r in rows],
-                [r["round_trip_s"] * 1e3 for r in rows],
-                marker="o",
-                label=f"{shards} shard(s)",
-            )
-        plain = [r for r in ps["results"] if r.get("plain_actor_round_trip_s")]
+        return
+    bars = {"numpy": part[f"numpy_{unit}"], "hybrid_iter": part[f"ours_{unit}"]}
+    mllib = part.get("mllib") or {}
+    if mllib:
+        bars["MLlib (marginal)"] = mllib["marginal_s_per_iteration"]
+        bars["MLlib (amortised)"] = mllib["amortised_s_per_iteration"]
+    ax.bar(list(bars), [v * 1e3 for v in bars.values()], color="C0")
+    ax.set_title(f"{title} ({part['rows']:,} x {part['features']})")
+    ax.set_ylabel("ms")
+
+
+def _async_panel(ax: Any, asy: dict[str, Any] | None) -> None:
+    if not (asy and asy.get("seconds_to_target")):
+        ax.set_axis_off()
+        return
+    names = list(asy["seconds_to_target"])
+    values = [asy["seconds_to_target"][n] or 0.0 for n in names]
+    ax.bar(names, values, color=["C1" if n == "sync" else "C2" for n in names])
+    ax.set_title(
+        f"seconds to loss {asy['target_loss']:.4f}, subtask {asy['slowed_subtask']} "
+        f"slowed {asy['slowdown']:g}x"
+    )
+    ax.set_ylabel("s")
+
+
+def _ps_panel(ax: Any, ps: dict[str, Any] | None) -> None:
+    if not (ps and ps.get("results")):
+        ax.set_axis_off()
+        return
+    for shards in sorted({r["shards"] for r in ps["results"]}):
+        rows = [r for r in ps["results"] if r["shards"] == shards]
         ax.plot(
-            [r["size"] for r in plain],
-            [r["plain_actor_round_trip_s"] * 1e3 for r in plain],
-            linestyle="--",
-            color="gray",
-            label="plain actor (reference)",
+            [r["size"] for r in rows],
+            [r["round_trip_s"] * 1e3 for r in rows],
+            marker="o",
+            label=f"{shards} shard(s)",
         )
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("float64 parameters")
-        ax.set_ylabel("ms")
-        ax.set_title("parameter server: pull + push round trip")
-        ax.legend()
-        ax.grid(True, alpha=0.3)
-    else:
-        ax.set_axis_off()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100, format="png")
-    return path
+    plain = [r for r in ps["results"] if r.get("plain_actor_round_trip_s")]
+    ax.plot(
+        [r["size"] for r in plain],
+        [r["plain_actor_round_trip_s"] * 1e3 for r in plain],
+        linestyle="--",
+        color="gray",
+        label="plain actor (reference)",
+    )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("float64 parameters")
+    ax.set_ylabel("ms")
+    ax.set_title("parameter server: pull + push round trip")
+    ax.legend()
+
+
+def _summary_png(reports: dict[str, Any], path: Path) -> Path | None:
+    ml = reports.get("ml") or {}
+
+    def draw(axes: Any) -> None:
+        _ml_panel(axes[0][0], ml.get("lr"), "s_per_epoch", "logistic regression: ms per epoch")
+        _ml_panel(axes[0][1], ml.get("kmeans"), "s_per_pass", "KMeans: ms per Lloyd pass")
+        _async_panel(axes[1][0], reports.get("async"))
+        _ps_panel(axes[1][1], reports.get("ps"))
+
+    return figure(path, draw, rows=2, cols=2, size=(13, 9))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,10 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         path = RESULTS / f"{name}.json"
         if path.is_file():
             reports[name] = json.loads(path.read_text())
-    png = _summary_png(reports, RESULTS / "suite.png")
+    png = _summary_png(reports, beside(RESULTS / "suite.json"))
     suite = {"quick": args.quick, "runs": runs, "reports": reports, "png": str(png)}
-    (RESULTS / "suite.json").write_text(json.dumps(suite, indent=2))
-    print(f"wrote {RESULTS / 'suite.json'}" + (f" and {png}" if png else ""))
+    out = write_report(suite, RESULTS / "suite.json")
+    print(f"wrote {out}" + (f" and {png}" if png else ""))
     return 1 if any(r["exit_status"] for r in runs.values()) else 0
 
 

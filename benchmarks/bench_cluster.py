@@ -25,7 +25,6 @@ import json
 import os
 import secrets
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,8 @@ ROOT = HERE.parent
 TESTS = ROOT / "tests"
 RESULTS = HERE / "results"
 MiB = 1 << 20
+sys.path.insert(0, str(HERE))
+from _harness import run_worker, write_report  # noqa: E402
 
 
 def worker(kind: str, epochs: int, repeats: int) -> dict[str, Any]:
@@ -69,27 +70,10 @@ def worker(kind: str, epochs: int, repeats: int) -> dict[str, Any]:
 
 
 def _run_worker(kind: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--worker",
-            kind,
-            "--epochs",
-            str(args.epochs),
-            "--repeats",
-            str(args.repeats),
-        ],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("WORKER ")]
-    if proc.returncode != 0 or len(lines) != 1:
-        raise SystemExit(f"{kind} failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(lines[0][len("WORKER ") :])
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind]
+    cmd += ["--epochs", str(args.epochs), "--repeats", str(args.repeats)]
+    out: dict[str, Any] = run_worker(cmd, "WORKER", what=kind, env=env, cwd=ROOT)
+    return out
 
 
 def main() -> int:
@@ -168,8 +152,7 @@ def main() -> int:
     report["session_start_ratio_cluster_over_local"] = (
         multi["session_start_seconds"] / local["session_start_seconds"]
     )
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cluster.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, RESULTS / "cluster.json")
     for label in ("sync", "async"):
         m = report[f"{label}_seconds_per_epoch_median"]
         print(

@@ -50,7 +50,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,7 +59,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
-from _harness import ratio, write_report  # noqa: E402
+from _harness import beside, figure, ratio, run_worker, write_report  # noqa: E402
 
 KINDS = ("spark", "ray", "sequential", "session", "session_no_archive")
 
@@ -146,13 +145,9 @@ def _fresh(call: str, **more_env: str) -> dict[str, Any]:
         f"import sys, json; sys.path.insert(0, {str(HERE)!r}); sys.path.insert(0, {str(ROOT)!r});"
         f"import bench_first_result as b; print('RESULT ' + json.dumps(b.{call}))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=3600
+    out: dict[str, Any] = run_worker(
+        [sys.executable, "-c", code], "RESULT", what=call, env=env, stderr_tail=4000
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{call} failed:\n{proc.stderr[-4000:]}")
-    out: dict[str, Any] = json.loads(lines[0][len("RESULT ") :])
     return out
 
 
@@ -481,58 +476,52 @@ def _entry(repeats: int, calls: int, n: int) -> dict[str, Any]:
     return {"runs_s": runs, "median": summary}
 
 
-def _figure(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
+def _startup_panel(ax: Any, report: dict[str, Any]) -> None:
+    med = report["startup"]["median_s"]
+    ax.bar(list(med), list(med.values()), color="tab:blue")
+    ax.set_title("start-up to a first Spark action")
+    ax.set_ylabel("seconds (median)")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    panels = [k for k in ("startup", "fits", "entry") if k in report]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for ax, part in zip(axes[0], panels, strict=True):
-        if part == "startup":
-            med = report["startup"]["median_s"]
-            ax.bar(list(med), list(med.values()), color="tab:blue")
-            ax.set_title("start-up to a first Spark action")
-            ax.set_ylabel("seconds (median)")
-        elif part == "fits":
-            med = report["fits"]["median_s"]
-            tasks = list(med)
-            cs = ["ours_first_fit", "ours_refit", "mllib", "sklearn"]
-            width = 0.2
-            for i, c in enumerate(cs):
-                ax.bar(
-                    [j + i * width for j in range(len(tasks))],
-                    [med[t][c] for t in tasks],
-                    width,
-                    label=c,
-                )
-            ax.set_xticks([j + 1.5 * width for j in range(len(tasks))], tasks)
-            ax.set_title("flights: first fit and refit vs MLlib")
-            ax.set_ylabel("seconds (median)")
-            ax.legend(fontsize=8)
-        else:
-            med = report["entry"]["median"]
-            keys = list(med)
-            ax.bar(
-                [j - 0.2 for j in range(len(keys))],
-                [med[k]["first_call_s"] for k in keys],
-                0.4,
-                label="first call",
-            )
-            ax.bar(
-                [j + 0.2 for j in range(len(keys))],
-                [med[k]["later_call_s"] for k in keys],
-                0.4,
-                label="later calls",
-            )
-            ax.set_xticks(range(len(keys)), keys, rotation=15, fontsize=8)
-            ax.set_title("iterate / ps.train: first vs later call")
-            ax.set_ylabel("seconds (median)")
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def _fits_panel(ax: Any, report: dict[str, Any]) -> None:
+    med = report["fits"]["median_s"]
+    tasks = list(med)
+    width = 0.2
+    for i, c in enumerate(["ours_first_fit", "ours_refit", "mllib", "sklearn"]):
+        ax.bar(
+            [j + i * width for j in range(len(tasks))], [med[t][c] for t in tasks], width, label=c
+        )
+    ax.set_xticks([j + 1.5 * width for j in range(len(tasks))], tasks)
+    ax.set_title("flights: first fit and refit vs MLlib")
+    ax.set_ylabel("seconds (median)")
+    ax.legend()
+
+
+def _entry_panel(ax: Any, report: dict[str, Any]) -> None:
+    med = report["entry"]["median"]
+    keys = list(med)
+    for shift, key, label in (
+        (-0.2, "first_call_s", "first call"),
+        (0.2, "later_call_s", "later calls"),
+    ):
+        ax.bar([j + shift for j in range(len(keys))], [med[k][key] for k in keys], 0.4, label=label)
+    ax.set_xticks(range(len(keys)), keys, rotation=15)
+    ax.set_title("iterate / ps.train: first vs later call")
+    ax.set_ylabel("seconds (median)")
+    ax.legend()
+
+
+PANELS = {"startup": _startup_panel, "fits": _fits_panel, "entry": _entry_panel}
+
+
+def _figure(report: dict[str, Any], path: Path) -> Path | None:
+    parts = [k for k in PANELS if k in report]
+
+    def draw(axes: Any) -> None:
+        for ax, part in zip(axes[0], parts, strict=True):
+            PANELS[part](ax, report)
+
+    return figure(path, draw, cols=len(parts), size=(5.5 * len(parts), 4))
 
 
 def main() -> None:
@@ -573,8 +562,8 @@ def main() -> None:
         for k, v in report["entry"]["median"].items():
             print(f"{k:<22} first {v['first_call_s']:.2f}s later {v['later_call_s']:.2f}s")
     out = write_report(report, args.out)
-    _figure(report, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    png = _figure(report, beside(out))
+    print(f"wrote {out}" + (f" and {png}" if png else ""))
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ pairs interleaved in each repeat so machine noise hits both sides alike:
 * ``map_batches``: ``map_partition(fn, batches=True)`` vs the same ``fn`` in a plain
   ``mapInArrow`` (target <= 1.2x); ``map_rows``: ``map_partition(fn)`` over pyspark Rows
   vs a hand-written ``mapInArrow`` that does the same per-row work on ``to_pylist()``
-  dicts (reported). Peak RSS of any one Python worker during each (sampled from /proc
-  every 20 ms; workers are reused, as by default, so a worker's RSS carries what earlier
-  variants left allocated: a floor, not a per-variant delta).
+  dicts (reported). Peak RSS of any one Python worker during each (the harness's watch:
+  its high-water mark, restarted when the variant starts, read every 20 ms; workers are
+  reused, as by default, so a worker's RSS carries what earlier variants left allocated:
+  a floor, not a per-variant delta).
 * ``aggregate_rows`` / ``aggregate_batches``: a Python ``AggregateFunction`` (count, sum)
   per partition, over Rows and over Arrow batches, vs the native
   ``groupBy(spark_partition_id()).agg(count, sum)``; ``aggregate_keyed``:
@@ -31,12 +32,8 @@ best times); writes JSON to benchmarks/results/full_partition.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -46,6 +43,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
+from _harness import Watch, local_spark, write_report  # noqa: E402
 
 from spark_ops import AggregateFunction, full_window_partition, key_by  # noqa: E402
 
@@ -99,77 +97,14 @@ class CountSumBatches(CountSumRows):
 # -- measuring ------------------------------------------------------------------------------
 
 
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        tree.setdefault(ppid, []).append(int(pid))
-    return tree
-
-
-def _python_workers() -> list[int]:
-    """Spark's Python daemon and workers: python descendants of this driver's JVM."""
-    tree = _children()
-    out, stack = [], list(tree.get(os.getpid(), []))
-    while stack:
-        pid = stack.pop()
-        stack.extend(tree.get(pid, []))
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if b"pyspark" in cmd and b"java" not in cmd.split(b"\0")[0]:
-            out.append(pid)
-    return out
-
-
-def _rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-class RssSampler:
-    """Largest RSS of any one Python worker while it runs (sampled every 20 ms)."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for pid in _python_workers():
-                self.peak = max(self.peak, _rss(pid))
-            self._stop.wait(0.02)
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def timed(action: Callable[[], object]) -> tuple[float, int]:
-    with RssSampler() as sampler:
+    """Seconds of ``action`` and the largest peak RSS of one Spark Python worker during it
+    (read every 20 ms: a worker that starts and ends between two reads is not seen)."""
+    with Watch(roles={"spark_python"}, interval=0.02) as watch:
         t = time.perf_counter()
         action()
         seconds = time.perf_counter() - t
-    return seconds, sampler.peak
+    return seconds, watch.peak_one()
 
 
 def noop(make: Callable) -> Callable[[], None]:
@@ -199,22 +134,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results" / "full_partition.json"))
     args = ap.parse_args()
 
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
-    spark = (
-        SparkSession.builder.master(f"local[{args.cores}]")
-        .appName("bench_full_partition")
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.driver.memory", args.driver_memory)
-        .config("spark.sql.shuffle.partitions", str(args.partitions))
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
+    shuffle = {"spark.sql.shuffle.partitions": str(args.partitions)}
+    spark = local_spark("bench_full_partition", args.cores, args.driver_memory, shuffle)
     try:
         df = (
             spark.range(args.rows, numPartitions=args.partitions)
@@ -356,11 +279,6 @@ def main() -> None:
             "cores": args.cores,
             "keys": args.keys,
             "repeats": args.repeats,
-            "machine": {
-                "cpus": os.cpu_count(),
-                "python": platform.python_version(),
-                "load_average_at_end": os.getloadavg(),
-            },
             "baselines": {
                 "sort_column": "df.sortWithinPartitions('x')",
                 "sort_key_fn": "df.sortWithinPartitions('x')",
@@ -372,9 +290,7 @@ def main() -> None:
             },
             "results": results,
         }
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
+        out = write_report(report, args.out)
         print(f"\nwrote {out}")
     finally:
         spark.stop()

@@ -32,7 +32,6 @@ writes JSON to benchmarks/results/local_agg.json.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -149,24 +148,17 @@ def main() -> None:
     args = p.parse_args()
     partitions = args.partitions or args.cores
 
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
-    spark = (
-        SparkSession.builder.master(f"local[{args.cores}]")
-        .appName("bench_local_agg")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.driver.memory", "6g")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", str(args.cores))
-        .config("spark.default.parallelism", str(args.cores))
-        .getOrCreate()
+    spark = harness.local_spark(
+        "bench_local_agg",
+        args.cores,
+        "6g",
+        {
+            "spark.sql.shuffle.partitions": str(args.cores),
+            "spark.default.parallelism": str(args.cores),
+        },
     )
-    spark.sparkContext.setLogLevel("ERROR")
     try:
         results = run(spark, F, args, partitions)
     finally:

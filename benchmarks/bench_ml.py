@@ -39,9 +39,7 @@ benchmarks/results/ml.json and ml.png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -56,6 +54,7 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 
 import kmeans as km_example  # noqa: E402
 import logistic_regression as lr_example  # noqa: E402
+from _harness import beside, figure, write_report  # noqa: E402
 
 import hybrid_iter as hi  # noqa: E402
 from hybrid_iter import ml  # noqa: E402
@@ -407,32 +406,27 @@ def bench_kmeans(ds, args):
 
 
 def plot(report, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+    """Seconds to quality of every contender per dataset and task (None: no matplotlib)."""
     bars = []
     for ds, tasks in report["datasets"].items():
         for task, r in tasks.items():
             bars.append((f"{ds}\n{task}", r["median_s"]))
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(bars)), 4))
     names = ["ours", "ours_first_fit", "mllib", "sklearn"]
     labels = {"ours": "ours (defaults, data kept)", "ours_first_fit": "ours, first fit"}
     width = 0.2
-    for i, n in enumerate(names):
-        xs = [j + (i - 1.5) * width for j in range(len(bars))]
-        ax.bar(xs, [b[1].get(n, 0.0) for b in bars], width, label=labels.get(n, n))
-    ax.set_xticks(range(len(bars)))
-    ax.set_xticklabels([b[0] for b in bars], fontsize=8)
-    ax.set_ylabel("seconds to within 1e-6 of the optimum\n(KMeans: to its own final cost)")
-    ax.set_title("hybrid_iter.ml vs MLlib vs scikit-learn (2 cores, noisy shared machine)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
+
+    def draw(axes):
+        ax = axes[0][0]
+        for i, n in enumerate(names):
+            xs = [j + (i - 1.5) * width for j in range(len(bars))]
+            ax.bar(xs, [b[1].get(n, 0.0) for b in bars], width, label=labels.get(n, n))
+        ax.set_xticks(range(len(bars)))
+        ax.set_xticklabels([b[0] for b in bars])
+        ax.set_ylabel("seconds to within 1e-6 of the optimum\n(KMeans: to its own final cost)")
+        ax.set_title("hybrid_iter.ml vs MLlib vs scikit-learn (2 cores, noisy shared machine)")
+        ax.legend()
+
+    return figure(path, draw, size=(max(6, 1.6 * len(bars)), 4))
 
 
 def main() -> None:
@@ -456,8 +450,6 @@ def main() -> None:
         "partitions": args.partitions,
         "repeats": args.repeats,
         "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
             "load_average_at_start": os.getloadavg(),
             "note": "shared by several engineers' test runs: timings are noisy",
         },
@@ -502,10 +494,8 @@ def main() -> None:
                 + " ".join(f"{n} {s:.2f}s" for n, s in r["median_s"].items())
                 + f"  {extra}"
             )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=float))
-    fig = plot(report, out.with_suffix(".png"))
+    out = write_report(report, args.out)
+    fig = plot(report, beside(out))
     print(f"wrote {out}" + (f" and {fig}" if fig else ""))
 
 

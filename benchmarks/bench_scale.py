@@ -33,7 +33,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -42,10 +44,11 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the harness, also when a test imports this file by path
+
+from _harness import peak_rss, write_report  # noqa: E402
 
 if __name__ != "__main__":  # imported (e.g. by the tests): ship this module's code by value
-    import sys
-
     import cloudpickle
     from ray import cloudpickle as ray_cloudpickle  # Ray pickles actor classes with its own
 
@@ -55,19 +58,6 @@ if __name__ != "__main__":  # imported (e.g. by the tests): ship this module's c
 #: subtasks per client process at most (threads); clients = ceil(N / this), at most 4
 PER_CLIENT = 256
 MAX_CLIENTS = 4
-
-
-def _rss_peak_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _nbytes(v: Any) -> int:
@@ -116,7 +106,7 @@ def _measured_coordinator_class() -> type:
             tree = self._tree
             return {
                 "cpu": time.process_time(),
-                "rss_peak": _rss_peak_bytes(),
+                "pid": os.getpid(),  # its peak memory is read from outside
                 "calls": self.calls_in,
                 "bytes_in": self.bytes_in,
                 "aligned": self.core.sm.aligned,
@@ -306,6 +296,7 @@ def run_config(
         if errors:
             raise RuntimeError(f"{len(errors)} simulated subtask(s) failed: {errors[:3]}")
         after = ray.get(coord.probe.remote())
+        rss_peak = peak_rss(after["pid"])  # the coordinator's high-water mark (same machine)
         groups = ray.get(coord.group_probe.remote())
         result = ray.get(coord.result.remote())
         # Ray's own threads in the coordinator process burn CPU while nothing happens
@@ -357,7 +348,7 @@ def run_config(
         "coordinator_idle_cpu_s_per_s": idle_rate,
         "coordinator_calls_per_epoch": calls / (epochs + 1),  # calls 0 .. epochs
         "coordinator_bytes_in_per_epoch": (after["bytes_in"] - before["bytes_in"]) / epochs,
-        "coordinator_rss_peak_bytes": after["rss_peak"],
+        "coordinator_rss_peak_bytes": rss_peak,
         "process_feedback_calls_per_epoch": statistics.median(pf_calls) if pf_calls else 0,
         "group_cpu_s_per_epoch_max": (
             max(
@@ -569,8 +560,6 @@ def main() -> None:
         "growth": fits,
         "fanout": fan_rows,
     }
-    from _harness import write_report  # here: tests import this module by path
-
     out = write_report(report, args.out)
     print(f"wrote {out}")
 

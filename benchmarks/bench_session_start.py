@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ ROOT = HERE.parent
 TESTS = ROOT / "tests"
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
-from _harness import ratio, write_report  # noqa: E402
+from _harness import ratio, run_worker, write_report  # noqa: E402
 
 MiB = 1 << 20
 ROWS = 2000
@@ -152,18 +151,9 @@ def _env() -> dict[str, str]:
 
 
 def _run_worker(kind: str) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--worker", kind],
-        env=_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("WORKER ")]
-    if proc.returncode != 0 or len(lines) != 1:
-        raise SystemExit(f"{kind} failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(lines[0][len("WORKER ") :])
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind]
+    out: dict[str, Any] = run_worker(cmd, "WORKER", what=kind, env=_env(), cwd=ROOT, timeout=1800)
+    return out
 
 
 PARTS = ("spark_seconds", "session_seconds", "first_epoch_seconds", "to_first_epoch_seconds")

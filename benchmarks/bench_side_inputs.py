@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -54,26 +53,22 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from _harness import WorkerFailed, local_spark, run_worker, write_report  # noqa: E402
+
 from spark_ops import MapSideInput, with_side_inputs  # noqa: E402
 
 OUT_SCHEMA = "user_id long, amount double, segment int"
 
 
 def _task_memory(mem_dir: str, held: int) -> None:
-    """In a Spark task: record this worker's peak RSS since the last task, then reset it."""
-    status = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(("VmHWM", "VmRSS")):
-                k, v = line.split(":")
-                status[k] = int(v.split()[0]) * 1024
+    """In a Spark task: record this worker's peak RSS since the last task, then reset it
+    (the workers import the harness from this folder: see ``start_spark``)."""
+    from _harness import peak_rss, reset_peak, rss
+
+    record = {"peak_rss": peak_rss(), "rss": rss(), "held": held}
     with open(os.path.join(mem_dir, f"{uuid.uuid4().hex}.json"), "w") as fh:
-        json.dump({"peak_rss": status.get("VmHWM"), "rss": status.get("VmRSS"), "held": held}, fh)
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")  # reset the peak, so the next task measures its own
-    except OSError:
-        pass
+        json.dump(record, fh)
+    reset_peak()  # the next task measures its own
 
 
 def enrich_with(view, mem_dir: str):
@@ -221,29 +216,18 @@ def run_once(spark, name: str, main, side, mem_dir: str, partitions: int) -> dic
 
 
 def start_spark(args: argparse.Namespace, *, reuse_workers: bool, ui: bool):
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark.sql import SparkSession
-
-    builder = (
-        SparkSession.builder.master(f"local[{args.cores}]")
-        .appName("bench_side_inputs")
-        .config("spark.driver.memory", args.driver_memory)
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.ui.enabled", "true" if ui else "false")  # REST API: peakExecutionMemory
-        .config("spark.ui.port", "0")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", str(args.partitions))
-        .config("spark.sql.autoBroadcastJoinThreshold", "-1")  # the join is a shuffle join
-        .config("spark.driver.maxResultSize", "0")
-        .config("spark.python.worker.reuse", "true" if reuse_workers else "false")
-    )
+    conf = {
+        "spark.sql.shuffle.partitions": str(args.partitions),
+        "spark.sql.autoBroadcastJoinThreshold": "-1",  # the join is a shuffle join
+        "spark.driver.maxResultSize": "0",
+        "spark.python.worker.reuse": "true" if reuse_workers else "false",
+        # the tasks' memory is read by the harness (_task_memory): its folder on their path
+        "spark.executorEnv.PYTHONPATH": str(HERE),
+    }
     if args.worker_memory:
-        builder = builder.config("spark.executor.pyspark.memory", args.worker_memory)
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
+        conf["spark.executor.pyspark.memory"] = args.worker_memory
+    # the UI for its REST API: each task's peakExecutionMemory
+    return local_spark("bench_side_inputs", args.cores, args.driver_memory, conf, ui=ui)
 
 
 def memory_pass(args: argparse.Namespace) -> None:
@@ -266,8 +250,6 @@ def memory_pass(args: argparse.Namespace) -> None:
 
 
 def run_memory_pass(args: argparse.Namespace, root: str) -> dict[str, Any]:
-    import subprocess
-
     cmd = [
         sys.executable,
         __file__,
@@ -285,11 +267,13 @@ def run_memory_pass(args: argparse.Namespace, root: str) -> dict[str, Any]:
     ]
     if args.worker_memory:
         cmd += ["--worker-memory", args.worker_memory]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, start_new_session=True)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("MEMORY "):
-            return json.loads(line[len("MEMORY ") :])
-    return {"error": f"memory pass failed (exit {proc.returncode}): {proc.stderr[-2000:]}"}
+    try:
+        out: dict[str, Any] = run_worker(
+            cmd, "MEMORY", what="memory pass", new_session=True, stderr_tail=2000
+        )
+        return out
+    except WorkerFailed as ex:
+        return {"error": str(ex)}
 
 
 def main() -> None:
@@ -391,19 +375,11 @@ def main() -> None:
         report = {
             "benchmark": "side_inputs",
             "params": {k: v for k, v in vars(args).items() if k not in ("memory_pass", "data_dir")},
-            "machine": {
-                "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-                "platform": platform.platform(),
-                "load_average_at_end": os.getloadavg(),
-            },
             "summary": summary,
             "python_memory_pass": memory,
             "ratios": ratios,
         }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2, default=str))
-        print(f"wrote {args.out}")
+        print(f"wrote {write_report(report, args.out)}")
     finally:
         if spark is not None:
             spark.stop()

@@ -27,6 +27,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from _harness import ratio, write_report  # noqa: E402
 
 #: the figures compared: (benchmark, path in its JSON, label)
 ITERATION_FIGURES = [
@@ -106,12 +108,6 @@ def _run(python: str, script: str, args: list[str], out: Path, log: Path) -> tup
     return json.loads(out.read_text()), seconds
 
 
-def _ratio(a: Any, b: Any) -> float | None:
-    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or not b:
-        return None
-    return float(a) / float(b)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spark4-python", default=str(ROOT / ".venv" / "bin" / "python"))
@@ -154,7 +150,7 @@ def main() -> None:
         for path, label in figures:
             a, b = _get(results["spark4"], path), _get(results["spark35"], path)
             rows.append(
-                {"figure": label, "spark35": b, "spark4": a, "spark4_over_spark35": _ratio(a, b)}
+                {"figure": label, "spark35": b, "spark4": a, "spark4_over_spark35": ratio(a, b)}
             )
         report["figures"][bench] = rows
         print(f"\n{bench}:\n  {'figure':44s} {'3.5':>10s} {'4.x':>10s} {'4/3.5':>7s}")
@@ -165,9 +161,7 @@ def main() -> None:
             ]
             q = r["spark4_over_spark35"]
             print(f"  {r['figure']:44s} {' '.join(cells)} " + (f"{q:7.2f}" if q else f"{'-':>7s}"))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=float) + "\n")
+    out = write_report(report, args.out)
     print(f"\nwrote {out} (logs in {work})")
 
 

@@ -9,7 +9,7 @@ a processing-time trigger, in a driver subprocess that stops itself (``stop()``:
 the batch in progress) every ``--restart-every`` batches and is started again. The
 coordinator sums the rows and the ids it trained on (as variables), so the end checks
 that every batch was applied exactly once: row count and id sum equal the files'.
-Sampled along the way: driver RSS (Python + its Spark JVM), coordinator actor RSS, files
+Sampled along the way: driver RSS (Python, its Spark JVM), coordinator actor RSS, files
 under the checkpoint location (ours and Spark's), the time from starting a driver to its
 first newly committed batch (restart time) and the time to restore the coordinator.
 
@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _harness import WorkerFailed, role, rss, run_worker, tree, write_report
 
 HERE = Path(__file__).resolve().parent
 SCHEMA = "id long, x double"
@@ -59,22 +60,12 @@ def expected(files: int, rows: int) -> tuple[int, int]:
 
 
 def rss_kb(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+    return rss(pid) // 1024
 
 
-def children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
+def jvm_kb() -> int:
+    """The RSS of this driver's Spark JVM (its process started from whichever thread)."""
+    return sum(rss(p) for p in tree() if role(p) == "spark_jvm") // 1024
 
 
 def count_files(root: Path) -> dict[str, int]:
@@ -160,7 +151,7 @@ def job(data: str, ckpt: str, until: int, sample_every: int) -> int:
                     {
                         "batches": p.batches,
                         "driver_kb": rss_kb(os.getpid()),
-                        "jvm_kb": sum(rss_kb(c) for c in children(os.getpid())),
+                        "jvm_kb": jvm_kb(),
                         "coordinator_kb": rss_kb(actor_pid),
                         "files": count_files(Path(ckpt)),
                         "batches_per_s": p.batches_per_s,
@@ -200,16 +191,15 @@ def _cmd(data: Path, ckpt: Path, until: int, sample_every: int) -> list[str]:
 
 
 def run_job(data: Path, ckpt: Path, until: int, sample_every: int, timeout: float) -> dict:
-    proc = subprocess.run(
+    out: dict = run_worker(
         _cmd(data, ckpt, until, sample_every),
-        capture_output=True,
-        text=True,
+        "RESULT",
+        what="driver job",
         timeout=timeout,
-        start_new_session=True,
+        new_session=True,
+        stderr_tail=4000,
     )
-    if proc.returncode != 0:
-        raise RuntimeError(f"driver job failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    return out
 
 
 def long_run(root: Path, batches: int, every: int, rows: int, sample_every: int) -> dict:
@@ -280,7 +270,7 @@ def kill_runs(root: Path, runs: int, files: int, rows: int, seed: int) -> list[d
                 pass
         try:
             end = run_job(data, ckpt, -1, 10**9, timeout=1800)
-        except RuntimeError as ex:  # e.g. Ray could not start on an overloaded machine
+        except WorkerFailed as ex:  # e.g. Ray could not start on an overloaded machine
             print(f"  kill run {k}: the restart could not run: {str(ex)[-300:]}", flush=True)
             out.append({"run": k, "killed_after_batch": killed_at, "infra_failure": str(ex)})
             continue
@@ -329,10 +319,7 @@ def main() -> None:
     summary = summarize(report)
     report["summary"] = summary
     print(json.dumps(summary, indent=2))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    print(f"wrote {write_report(report, args.out)}")
 
 
 def summarize(report: dict) -> dict:

@@ -1,31 +1,21 @@
-"""What every benchmark here shares: one accounting for every contender, one report.
+"""Timers: one accounting for every contender.
 
 * ``measure(run, repeats, warmup)``: the same warm-up and repeats for each contender,
   wall seconds of each repeat (``run`` may return extra data: kept per repeat);
 * ``slope(xs, ys)``: the least-squares slope (marginal cost per unit: per iteration,
-  per subtask, ...);
-* ``ratio(a, b)``: ``a / b`` or None where either is missing or ``b`` is 0;
-* ``machine()``: what the figures were measured on;
-* ``write_report(report, path)``: the JSON file (with ``machine`` filled in), parents
-  created; returns the path.
-
-A headline ratio compares like with like: steady state with steady state (an epoch after
-the first against a marginal iteration), end to end with end to end (a whole fit
-against a whole fit), equal quality with equal quality.
+  per subtask, bytes per second of a process's memory, ...);
+* ``ratio(a, b)``: ``a / b`` or None where either is missing or ``b`` is 0.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
+import numbers
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-__all__ = ["Measured", "machine", "measure", "ratio", "slope", "write_report"]
+__all__ = ["Measured", "measure", "ratio", "slope"]
 
 
 class Measured:
@@ -63,28 +53,11 @@ def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     return num / den
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
+def ratio(a: Any, b: Any) -> float | None:
+    """``a / b``; None where either is missing (None) or ``b`` is 0."""
+    if a is None or b is None:
         return None
-    return a / b
-
-
-def machine() -> dict[str, Any]:
-    try:
-        load = os.getloadavg()[0]
-    except OSError:  # pragma: no cover - not on Linux
-        load = None
-    return {
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "load_1min_at_end": load,
-    }
-
-
-def write_report(report: dict[str, Any], path: str | Path) -> Path:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {**report, "machine": {**machine(), **report.get("machine", {})}}
-    out.write_text(json.dumps(report, indent=2, default=float) + "\n")
-    return out
+    for v in (a, b):
+        if not isinstance(v, numbers.Real) or isinstance(v, bool):
+            raise TypeError(f"ratio: numbers or None, got {v!r}")
+    return None if b == 0 else float(a) / float(b)
