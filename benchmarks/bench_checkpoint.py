@@ -131,9 +131,7 @@ def main() -> None:
                     checkpoint=hi.CheckpointConfig(d, every_epochs=1),
                 )
                 every.append(statistics.median(r.epoch_seconds[1:]))
-                per_ckpt.append(
-                    statistics.median(s for _, _, s in r.checkpoint["checkpoints"])
-                )
+                per_ckpt.append(statistics.median(s for _, _, s in r.checkpoint["checkpoints"]))
                 shutil.rmtree(d)
                 d = tempfile.mkdtemp()
                 r = run(
