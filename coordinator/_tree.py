@@ -248,7 +248,7 @@ class CoordinatorTree:
             # the coordinator tier's placement (the driver's rule, ``CoordinatorSpec.
             # placement``): the aggregators ask for the same resources, so they go where
             # the coordinator is
-            options = {
+            options: dict[str, Any] = {
                 "num_cpus": 0,
                 "max_restarts": 0,
                 "max_task_retries": 0,

@@ -630,9 +630,11 @@ def _new_gcs(before: frozenset[str]) -> Callable[[], bool]:
     reads the processes' command lines)."""
     from ray._private import services
 
+    finder: Any = services.find_gcs_addresses  # functools.lru_cache'd in Ray 2.60
+
     def up() -> bool:
-        services.find_gcs_addresses.cache_clear()
-        for address in set(services.find_gcs_addresses()) - before:
+        finder.cache_clear()
+        for address in set(finder()) - before:
             host, _, port = str(address).rpartition(":")
             with contextlib.suppress(OSError, ValueError):
                 with socket.create_connection((host.strip("[]"), int(port)), timeout=0.5):
@@ -651,7 +653,7 @@ def _head_start_polled() -> Iterator[None]:
     from ray.util.spark import cluster_init
 
     real = getattr(cluster_init, "time", None)
-    finder = getattr(services, "find_gcs_addresses", None)
+    finder: Any = getattr(services, "find_gcs_addresses", None)
     if real is not time or not hasattr(finder, "cache_clear"):
         yield
         return

@@ -310,7 +310,7 @@ class TrainLaunch:
                 layout=self.layout,
                 columns=tuple(self.names),
                 vector_widths=self.widths,
-                csr_columns=self.csr,
+                csr_columns=tuple(self.csr),
                 tables=self.plan_tables,
                 shard_names=tuple(shard_names),
                 bounds=tuple(self.bounds),
