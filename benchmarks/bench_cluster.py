@@ -2,7 +2,7 @@
 
     python benchmarks/bench_cluster.py [--epochs 6] [--repeats 3]
 
-The cluster is the one of tests/test_multinode.py: a head (num-cpus 0, the coordinator's
+The cluster is the one of tests/hybrid_iter/session/test_multinode.py: a head (num-cpus 0, the coordinator's
 node) and three 1-CPU workers, four raylets each with its own object store, token
 authentication on; two RayDP executors of one core. ``Session.local(2)`` has the same two
 task slots. Each contender runs in its own process (one JVM per process) and does the

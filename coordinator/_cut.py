@@ -1,7 +1,7 @@
 """The consistent cut and the restore: pure logic, no Ray, no I/O.
 
 Runs inside the coordinator actor (``_actor.py``), which feeds it events and carries out
-its instructions; tests step it event by event without Ray (``tests/test_cut.py``).
+its instructions; tests step it event by event without Ray (``tests/coordinator/test_cut.py``).
 
 What it decides (docs/fault_tolerance.md):
 

@@ -4,7 +4,7 @@ picklable.
 This module imports neither pyspark nor Ray nor ``hybrid_iter``, so the coordinator
 tier can raise them and ``hybrid_iter._errors`` re-exports the same classes (the whole
 tree is drawn there). The modules that raise them import them from here; no other
-module of the package defines an exception class (``tests/test_layout.py`` checks it).
+module of the package defines an exception class (``tests/project/test_layout.py`` checks it).
 """
 
 from __future__ import annotations

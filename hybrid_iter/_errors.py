@@ -3,7 +3,7 @@
 Where the classes live: every exception class of a package is defined in that package's
 ``_errors.py`` (``hybrid_iter/_errors.py``, ``coordinator/_errors.py``,
 ``spark_ops/_errors.py``, ``spark_ops/side_inputs/_errors.py``) and nowhere else;
-``tests/test_layout.py`` fails on a class defined in another module. The modules that
+``tests/project/test_layout.py`` fails on a class defined in another module. The modules that
 raise them import them from there, and the public modules re-export them where users
 import them (``hybrid_iter``, ``hybrid_iter.ps``, ``hybrid_iter.cli``,
 ``hybrid_iter.testing``, ``hybrid_iter.ml``, ``coordinator``, ``spark_ops``).

@@ -30,7 +30,7 @@
                                                     ``ready_timeout``
 
 Every class is defined here (the side-input ones in ``side_inputs/_errors.py``) and
-re-exported where users import it; ``tests/test_layout.py`` fails on an exception class
+re-exported where users import it; ``tests/project/test_layout.py`` fails on an exception class
 defined anywhere else. The builtin bases stay, so ``except ValueError`` / ``except
 TypeError`` catch them as they catch the builtin errors. All of them pickle.
 

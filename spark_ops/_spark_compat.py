@@ -9,7 +9,7 @@ supported lines and RayDP's requirements are decided by version. Every function 
 run in every CI environment that can reach it (``tests/spark_lines/``, which fails when
 one is run by none). Nothing else in ``hybrid_iter`` or ``spark_ops`` touches ``_jdf``,
 ``_jsc``, ``_jvm``, the py4j gateway, query plans or RDD storage info
-(``tests/test_layout.py`` checks it).
+(``tests/project/test_layout.py`` checks it).
 
 * Versions: ``spark_version()``, ``check_spark_version()`` (an unsupported Spark is an
   ``UnsupportedSparkVersion`` naming it and the fix), ``raydp_problem()`` (why RayDP

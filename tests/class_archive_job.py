@@ -1,5 +1,5 @@
 """``Session.local`` in a process of its own, with the JVM class archive cache of
-``$HYBRID_ITER_CACHE_DIR`` (``tests/test_class_archive.py`` damages or exposes it first)::
+``$HYBRID_ITER_CACHE_DIR`` (``tests/spark_ops/test_class_archive.py`` damages or exposes it first)::
 
     PYTHONPATH=tests:. python -c "import class_archive_job, sys; sys.exit(class_archive_job.main('local'))"
 

@@ -1,4 +1,4 @@
-"""Entry functions that tests/test_cli.py runs with ``hybrid-iter run cli_targets:NAME``.
+"""Entry functions that tests/hybrid_iter/cli/test_cli.py runs with ``hybrid-iter run cli_targets:NAME``.
 
 They run on the driver, in the CLI's process, with the CLI's Session.
 """

@@ -56,12 +56,10 @@ def _raydp_skip_reason() -> str | None:
     return f"RayDP cannot run in this environment ({problem}); .ci/run runs it"
 
 
-#: Marks tests of Session.raydp: skipped where RayDP cannot run (the default install,
-#: Spark 4), run in the raydp extra's environment, where .ci/run sets
-#: HYBRID_ITER_REQUIRE_RAYDP=1 so that a broken RayDP install fails instead of skipping.
-requires_raydp = pytest.mark.skipif(
-    _raydp_skip_reason() is not None, reason=_raydp_skip_reason() or ""
-)
+#: Marks tests of Session.raydp (the ``raydp`` marker: .ci/run's RayDP environment runs
+#: ``-m raydp``): skipped where RayDP cannot run (the default install, Spark 4); where
+#: .ci/run sets HYBRID_ITER_REQUIRE_RAYDP=1, a broken RayDP install fails instead.
+requires_raydp = pytest.mark.raydp
 
 
 def _children() -> dict[int, str]:
@@ -193,6 +191,66 @@ def _recording(init, made):
     return recording_init
 
 
+# -- markers: the fast lane and the environments ------------------------------------------
+
+#: Fixtures that start or use Spark and Ray: a test that needs one (directly or through
+#: another fixture) is an ``integration`` test. The fast lane, ``pytest -m "not
+#: integration"``, runs the rest: pure tests, which must start no JVM and no Ray.
+PROCESS_FIXTURES = frozenset({"session", "spark"})
+#: node ids of the collected ``integration`` tests (``fresh_process.run_job`` refuses
+#: to start a job for any other test)
+INTEGRATION: set[str] = set()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    """Marks before ``-m`` selects: ``integration`` from the fixtures a test needs, and the
+    skip of a ``raydp`` test where RayDP cannot run."""
+    skip_raydp = _raydp_skip_reason()
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+        if item.get_closest_marker("raydp") is not None:
+            if item.get_closest_marker("integration") is None:
+                item.add_marker(pytest.mark.integration)
+            if skip_raydp is not None:
+                item.add_marker(pytest.mark.skip(reason=skip_raydp))
+        if item.get_closest_marker("integration") is not None:
+            INTEGRATION.add(item.nodeid)
+
+
+def _spark_or_ray_running() -> list[str]:
+    """What of Spark and Ray runs in this process (nothing is imported to find out)."""
+    running = []
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        running.append("Ray (ray.is_initialized())")
+    pyspark = sys.modules.get("pyspark")
+    if pyspark is not None and pyspark.SparkContext._active_spark_context is not None:
+        running.append("a SparkContext")
+    return running
+
+
+@pytest.fixture(autouse=True)
+def _fast_lane_starts_no_process(request):
+    """A test not marked ``integration`` leaves no process behind and starts no Spark or
+    Ray in this process: the fast lane must run where neither can (and fast)."""
+    if request.node.get_closest_marker("integration") is not None:
+        yield
+        return
+    before = set(_children())
+    running_before = _spark_or_ray_running()
+    yield
+    started = [f"{n} (pid {p})" for p, n in _children().items() if p not in before]
+    running = [r for r in _spark_or_ray_running() if r not in running_before]
+    if started or running:
+        pytest.fail(
+            f"{request.node.nodeid} is not marked integration but left "
+            f"{', '.join(started + running)} running: mark it "
+            f"(pytest.mark.integration) or use the spark/session fixture"
+        )
+
+
 # -- the compatibility set (pytest -m spark_lines) ---------------------------------------
 
 _CHECK = "test_every_function_of_the_compatibility_module_runs_in_this_environment"
@@ -203,8 +261,20 @@ def pytest_deselected(items):
     _deselected_compat.extend(i.nodeid for i in items if i.get_closest_marker("spark_lines"))
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(session, config, items):
+class _CompatCheckGoesLast:
+    """A plugin of its own: a conftest holds one implementation per hook, and this one
+    must run after ``-m`` and ``-k`` have deselected (trylast)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, session, config, items):
+        _compat_check_goes_last(config, items)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_CompatCheckGoesLast(), "hybrid_iter_compat_check_last")
+
+
+def _compat_check_goes_last(config, items):
     """The check that every compatibility function ran goes last, and learns whether the
     whole compatibility set (and the whole suite) is in this run."""
     checks = [i for i in items if i.name == _CHECK]
@@ -214,10 +284,11 @@ def pytest_collection_modifyitems(session, config, items):
     from pathlib import Path
 
     tests = Path(__file__).resolve().parent
-    marked_files = {p.name for p in tests.glob("test_*.py") if "mark.spark_lines" in p.read_text()}
-    collected = {Path(str(i.path)).name for i in items}
+    files = sorted(tests.rglob("test_*.py"))
+    marked_files = {p for p in files if "mark.spark_lines" in p.read_text()}
+    collected = {Path(str(i.path)).resolve() for i in items}
     run = sys.modules[checks[0].module.__name__].COMPAT_RUN
     run["complete"] = marked_files <= collected and not _deselected_compat
-    run["whole_suite"] = {p.name for p in tests.glob("test_*.py")} <= collected and not (
+    run["whole_suite"] = set(files) <= collected and not (
         config.getoption("-k") or config.getoption("-m") not in ("", "not slow")
     )

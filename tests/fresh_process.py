@@ -14,9 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
+from paths import ROOT, TESTS
 
 
 def run_job(
@@ -27,6 +25,7 @@ def run_job(
     extra_env: dict[str, str] | None = None,
     cwd: Path | None = None,
 ) -> Any:
+    _refuse_outside_integration(module)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]),
@@ -61,3 +60,16 @@ def run_job(
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     assert len(lines) == 1, stdout[-3000:] + stderr[-3000:]
     return json.loads(lines[0][len("RESULT ") :])
+
+
+def _refuse_outside_integration(module: str) -> None:
+    """A job starts a JVM and a Ray of its own: only an ``integration`` test may start one
+    (the fast lane, ``-m "not integration"``, starts none)."""
+    import conftest
+
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    if test and test not in conftest.INTEGRATION:
+        pytest.fail(
+            f"{test} starts the job {module} in a fresh process but is not marked "
+            f"integration: mark it (pytest.mark.integration)"
+        )

@@ -1,5 +1,5 @@
 """``Session.local`` interrupted by SIGINT while its main thread waits for Spark's start,
-in a process of its own (``tests/test_session_start.py``)::
+in a process of its own (``tests/hybrid_iter/session/test_session_start.py``)::
 
     PYTHONPATH=tests:. python -c "import interrupted_start_job as j, sys; sys.exit(j.main(MARKS))"
 

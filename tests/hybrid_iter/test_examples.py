@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-from pathlib import Path
 
 import numpy as np
+from paths import EXAMPLES
 
 import hybrid_iter as hi
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def load(name):

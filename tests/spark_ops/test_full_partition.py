@@ -20,12 +20,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from paths import ROOT, TESTS
 from pyspark.sql import Row
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StructField, StructType
@@ -42,9 +42,6 @@ from spark_ops import (
 )
 from spark_ops import _spark_compat as compat
 from spark_ops.full_partition._keys import encode_key, encode_keys
-
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
 
 PART0, PART1 = list(range(5)), list(range(5, 10))
 

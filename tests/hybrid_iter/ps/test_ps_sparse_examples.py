@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import numpy as np
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from paths import EXAMPLES
 
 
 def load(name):

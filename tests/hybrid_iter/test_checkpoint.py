@@ -13,11 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from checkpoint_job import EPOCHS, Grad, Step, data, iterate
+from paths import TESTS
 
 import hybrid_iter as hi
 from hybrid_iter.testing import FaultInjection
-
-TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,11 +25,11 @@ from online_ops import (
     write_file,
     write_parquet_file,
 )
+from paths import TESTS
 
 import hybrid_iter as hi
 from hybrid_iter.testing import FaultInjection
 
-TESTS = Path(__file__).resolve().parent
 FEATURES = ["x0", "x1", "x2", "y"]
 
 

@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,9 +27,8 @@ import pytest
 from conftest import requires_raydp
 from k8s_ray_cluster import ClusterProcess, cluster_env, tagged
 from multinode_job import EPOCHS
+from paths import TESTS
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
 JOB_TIMEOUT = 1500  # seconds, a safety net: the job takes ~40 s on 2 quiet cores
 MiB = 1 << 20
 # The module fixture starts a cluster and runs the whole job before the first test

@@ -8,23 +8,22 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from paths import BENCHMARKS
 
 from hybrid_iter import ps
 
 # how bench_ps_sparse.py finds its package and the harness: the benchmarks' folder
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 if str(BENCHMARKS) not in sys.path:
     sys.path.append(str(BENCHMARKS))
 
-from _harness import Watch, reset_peak, role, tree  # noqa: E402
-from ps_sparse.data import Frames, hashed_flights  # noqa: E402
-from ps_sparse.floor import NumpyFloor  # noqa: E402
-from ps_sparse.models import lr_spec  # noqa: E402
-from ps_sparse.runs import compare_with_floor  # noqa: E402
+from _harness import Watch, reset_peak, role, tree
+from ps_sparse.data import Frames, hashed_flights
+from ps_sparse.floor import NumpyFloor
+from ps_sparse.models import lr_spec
+from ps_sparse.runs import compare_with_floor
 
 MIB = 2**20
 
@@ -42,6 +41,7 @@ for line in sys.stdin:
 #: and waits for its stdin to close
 STARTS_FROM_A_THREAD = """
 import subprocess, sys, threading
+from paths import BENCHMARKS
 done = threading.Event()
 def start():
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=-1)

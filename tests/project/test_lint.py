@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from paths import ROOT
 
 #: seconds; a cold mypy run takes ~30 s on 2 cores, a warm one (.mypy_cache) a few
 TIMEOUT = 300

@@ -14,16 +14,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import requires_raydp
 from coordinator_node_job import EPOCHS, KILL_AT, RESULT_PREFIX
 from k8s_ray_cluster import ClusterProcess, cluster_env
+from paths import TESTS
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
 MiB = 1 << 20
 JOB_TIMEOUT = 600  # a safety net; about 1-2 min on 2 cores
 

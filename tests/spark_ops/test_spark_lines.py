@@ -13,16 +13,14 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from paths import ROOT, TESTS
 
 import hybrid_iter as hi
 from spark_ops import _spark_compat as compat
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
 SPARK4 = compat.spark_version() >= (4, 0, 0)
 
 pytestmark = pytest.mark.spark_lines

@@ -6,9 +6,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+from paths import TESTS
 
 
 def test_replayed_data_larger_than_storage_memory_still_replays():

@@ -14,16 +14,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import requires_raydp
+from paths import ROOT, TESTS
 
 pytestmark = requires_raydp
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
 
 EXECUTORS, CORES, ROWS, PARTITIONS, EPOCHS = 2, 1, 2000, 2, 15
 # seconds, a safety net: the job takes about 25 s on 2 idle cores, minutes on busy ones

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from paths import EXAMPLES
 
 import hybrid_iter as hi
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def load(name):

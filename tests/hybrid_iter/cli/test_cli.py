@@ -21,14 +21,12 @@ from pathlib import Path
 
 import pytest
 from conftest import requires_raydp
+from paths import TESTS
 from raydp_job import _descendants, _process_table
 
 import hybrid_iter as hi
 from hybrid_iter import cli
 from spark_ops._spark_compat import raydp_problem
-
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 import hybrid_iter as hi
 import storage_uri
@@ -201,7 +201,7 @@ def test_config_constructors_make_no_network_call():
         text=True,
         timeout=120,
         check=False,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=ROOT,
     )
     assert got.returncode == 0 and "built" in got.stdout, got.stderr[-2000:]
 

@@ -47,9 +47,9 @@ import jsonschema
 import pytest
 import yaml
 from conftest import _raydp_skip_reason, requires_raydp
+from paths import ROOT, TESTS
 from raydp_job import listening_sockets
 
-ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
 IMAGE = K8S / "image"
 BUILDS = {
@@ -1623,7 +1623,7 @@ class _LocalRayCluster:
         with open(log, "w") as out:  # the child keeps its own copy
             # The helper runs the head's GCS: it has the head container's environment.
             self.proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).with_name("k8s_ray_cluster.py")), str(spec)],
+                [sys.executable, str(TESTS / "k8s_ray_cluster.py"), str(spec)],
                 env=head_env,
                 cwd=self.tmp,
                 stdout=out,

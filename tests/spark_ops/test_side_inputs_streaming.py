@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from paths import EXAMPLES
 from pyspark.sql import functions as F
 
 from spark_ops import (
@@ -27,8 +28,6 @@ from spark_ops import (
     UserFunctionError,
     with_side_inputs,
 )
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 class Sources:

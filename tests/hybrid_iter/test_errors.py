@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 import coordinator
 import hybrid_iter as hi
@@ -16,7 +17,6 @@ import hybrid_iter.ps
 import hybrid_iter.testing
 from hybrid_iter import SparkOpsError
 
-ROOT = Path(__file__).resolve().parents[1]
 BUILTIN_BASES = (ValueError, TypeError, RuntimeError, LookupError, TimeoutError)
 
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from paths import ROOT, TESTS
 
 from coordinator import Progress
 from hybrid_iter import cli, ml, ps
 from hybrid_iter._result import _series
 from hybrid_iter._runtime.progress import ProgressPrinter
 
-ROOT = Path(__file__).resolve().parent.parent
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -102,7 +102,7 @@ def test_plot_without_matplotlib_says_what_to_install(runs, tmp_path, monkeypatc
 
 
 def test_cli_run_plot_writes_the_returned_runs(session, capsys, tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    monkeypatch.syspath_prepend(str(TESTS))
     path = tmp_path / "cli.png"
     argv = ["run", "test_plot:train_two", "--param", "rows=300", "--plot", str(path)]
     assert cli.main(argv, {}) == 0
@@ -122,7 +122,7 @@ def _result_line(out: str) -> dict:
 def test_cli_prints_the_result_when_there_is_nothing_to_plot_and_exits_3(
     session, capsys, tmp_path, monkeypatch
 ):
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    monkeypatch.syspath_prepend(str(TESTS))
     path = tmp_path / "no.png"
     assert cli.main(["run", "cli_targets:echo", "--plot", str(path)], {}) == 3
     out, err = capsys.readouterr()
@@ -136,7 +136,7 @@ def test_cli_prints_the_result_when_there_is_nothing_to_plot_and_exits_3(
 def test_cli_prints_the_result_when_the_plot_cannot_be_written_and_exits_3(
     session, capsys, tmp_path, monkeypatch
 ):
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    monkeypatch.syspath_prepend(str(TESTS))
     output = tmp_path / "result.json"
     path = tmp_path / "plots" / "loss.png"
     path.parent.mkdir()
@@ -180,7 +180,7 @@ def test_a_plot_path_that_cannot_be_written_exits_2_before_anything_runs(
         raise AssertionError(f"a session was opened for {options}")
 
     monkeypatch.setattr(cli._runner, "_open_session", refuse)
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    monkeypatch.syspath_prepend(str(TESTS))
     for argv, env in (
         (["run", "cli_targets:echo", "--plot", plot, "--dry-run"], {}),
         (["run", "cli_targets:echo", "--dry-run"], {"HYBRID_ITER_PLOT": plot}),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from paths import BENCHMARKS
 
 import hybrid_iter as hi
 from coordinator._protocol import Emissions, Reply
@@ -390,9 +391,8 @@ def test_groups_bound_the_fan_in_and_precombine_keeps_the_record_count():
 def _bench_scale():
     import importlib.util
     import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scale.py"
+    path = BENCHMARKS / "bench_scale.py"
     mod = sys.modules.get("bench_scale")
     if mod is None:
         spec = importlib.util.spec_from_file_location("bench_scale", path)

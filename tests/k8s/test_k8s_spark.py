@@ -1,7 +1,7 @@
 """k8s/components/spark-k8s: Spark on Kubernetes beside the KubeRay cluster, offline.
 
 The builds ``overlays/spark-k8s`` and ``overlays/spark-k8s-endpoint-tls`` also go through
-every check of ``tests/test_k8s.py`` (schemas, security, RBAC, egress table). Here, what
+every check of ``tests/k8s/test_k8s.py`` (schemas, security, RBAC, egress table). Here, what
 is particular to them:
 
 * the executors' pod template (a file in a ConfigMap, which kustomize does not see)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 from on_spark_job import CHECKPOINT_EVERY, CORES, EPOCHS, EXECUTORS, KILL_AT
+from paths import ROOT, TESTS
 
 import hybrid_iter as hi
 from hybrid_iter._session.on_spark_plan import (
@@ -35,8 +36,6 @@ from hybrid_iter._session.on_spark_plan import (
 )
 from spark_ops import _spark_compat
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
 TIMEOUT = 900  # seconds, a safety net: the job takes ~100 s on 2 quiet cores
 pytestmark = [pytest.mark.timeout(TIMEOUT + 120)]
 
