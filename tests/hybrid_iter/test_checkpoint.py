@@ -92,6 +92,7 @@ def test_restarts_without_checkpoints_start_over(df, clean):
     assert result.variables["w"].tobytes() == clean.variables["w"].tobytes()
 
 
+@pytest.mark.integration
 def test_a_killed_driver_is_resumed_from_its_checkpoints(df, clean, tmp_path):
     """The run's driver (a process of its own) is SIGKILLed with everything it started;
     another driver (this test's, on the suite's session) resumes it from its checkpoints

@@ -6,6 +6,7 @@ import importlib.util
 import itertools
 
 import numpy as np
+import pytest
 from paths import EXAMPLES
 
 import hybrid_iter as hi
@@ -84,6 +85,7 @@ def test_kmeans_empty_cluster_keeps_its_centre(session):
     assert result.outputs["empty_clusters"] == [1] * 5
 
 
+@pytest.mark.integration
 def test_the_readme_main_job_runs_as_a_script():
     """The README's first command runs this script; run it small, as a user would."""
     import subprocess

@@ -7,7 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from paths import TESTS
+
+pytestmark = pytest.mark.integration  # each test starts its own Spark or Ray
 
 
 def test_replayed_data_larger_than_storage_memory_still_replays():

@@ -1729,6 +1729,7 @@ def entrypoint_run(builds) -> dict[str, Any]:
     return report
 
 
+@pytest.mark.integration
 @requires_raydp
 def test_the_rayjob_entrypoint_trains_the_example_on_spark_on_ray(entrypoint_run, builds):
     options = job_options(builds["laptop"])
@@ -1911,6 +1912,7 @@ def test_the_workers_wait_for_the_gcs_in_an_init_container_sized_for_it(builds):
             assert wait["image"] == pod.container["image"], name
 
 
+@pytest.mark.integration
 def test_the_gcs_wait_command_succeeds_on_a_real_gcs_well_inside_its_memory_limit(
     entrypoint_run, builds
 ):
@@ -2014,6 +2016,7 @@ print(ray.get(where.remote()), *head)
 """
 
 
+@pytest.mark.integration
 def test_ray_tls_certificates_issued_in_each_pod_secure_a_real_ray_cluster(builds):
     """The laptop build with Ray TLS on this machine: each pod's ray-tls-cert (its command
     and environment as rendered) issues its certificate from a CA made as the README

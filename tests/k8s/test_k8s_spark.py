@@ -436,6 +436,7 @@ def _policy_ports(docs: list[dict[str, Any]], policy: str) -> list[tuple[int, in
     ]
 
 
+@pytest.mark.integration
 def test_tls_reads_the_certificate_the_component_mounts_into_the_driver(builds, tmp_path):
     """The TLS build's driver finds its certificate and key where the Secret is mounted
     (the pod's files made locally: LocalPod), and only the driver mounts it."""
@@ -713,6 +714,7 @@ if _marks:
 """
 
 
+@pytest.mark.integration
 def test_the_driver_program_trains_the_example_over_the_endpoint_on_the_embedded_default(
     builds, tmp_path
 ):
@@ -795,6 +797,7 @@ print(json.dumps(sys.argv[1:]))
 """
 
 
+@pytest.mark.integration
 def test_the_executor_command_starts_sparks_kubernetes_executor_backend(tmp_path):
     """executor.sh, as the executor pod runs it: the environment Spark gives an executor
     container becomes the JVM's command line (a stand-in ``java`` prints it)."""

@@ -396,3 +396,20 @@ def test_no_product_file_is_over_800_lines():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert too_long == {}, f"split these by concept (at most {MAX_LINES} lines): {too_long}"
+
+
+def test_every_test_folder_is_on_the_path_and_every_test_name_is_unique():
+    # pytest imports a test module by its name; the folders are listed in pyproject.toml
+    # so that one test module may import another's helpers from any folder
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"][
+            "pythonpath"
+        ]
+    )
+    tests = sorted((ROOT / "tests").rglob("test_*.py"))
+    folders = {str(p.parent.relative_to(ROOT)) for p in tests}
+    assert folders <= listed, f"add {sorted(folders - listed)} to pythonpath in pyproject.toml"
+    names = [p.name for p in tests]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)

@@ -21,6 +21,8 @@ from fresh_process import run_job
 
 from spark_ops import _class_archive as ca
 
+pytestmark = pytest.mark.integration  # each test starts its own Spark or Ray
+
 MAGIC = (0xF00BABA8).to_bytes(4, "little")
 
 

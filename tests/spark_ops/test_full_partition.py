@@ -751,6 +751,7 @@ def test_key_encoding_orders_special_values():
 MEMORY_TIMEOUT = 240  # seconds; about 30 s on 2 idle cores
 
 
+@pytest.mark.integration
 def test_a_partition_larger_than_worker_memory_streams():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(

@@ -90,6 +90,7 @@ def test_this_environment_runs_a_supported_spark():
     compat.check_spark_version()
 
 
+@pytest.mark.integration
 def test_a_session_refuses_an_unsupported_pyspark_before_starting_anything():
     # the installed PySpark is made to report another version before hybrid_iter reads it
     code = (
@@ -133,6 +134,7 @@ def test_raydp_requirements_name_the_extra():
 @pytest.mark.skipif(
     compat.raydp_problem() is None, reason="RayDP runs in this environment (test_raydp.py)"
 )
+@pytest.mark.integration
 def test_session_raydp_without_a_usable_raydp_says_how_to_install_it():
     # here the default install: Spark 4 without the raydp extra
     with pytest.raises(hi.SessionError) as err:

@@ -341,6 +341,7 @@ def test_results_become_json_and_a_failing_function_exits_1(session, capsys, mon
     assert session.spark.range(3).count() == 3
 
 
+@pytest.mark.integration
 def test_sigterm_stops_the_session_it_started_and_exits_143(tmp_path):
     ready = tmp_path / "ready"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK_", "RAY_ADDRESS"))}

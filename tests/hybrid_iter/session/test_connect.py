@@ -26,6 +26,7 @@ pytestmark = [
         reason=f"Spark Connect clients run on PySpark >= 4.1 (DataFrame.repartitionById); "
         f"this is {compat.spark_version_string()}",
     ),
+    pytest.mark.integration,  # a Spark Connect server of its own
 ]
 
 

@@ -37,7 +37,7 @@ from hybrid_iter._session.on_spark_plan import (
 from spark_ops import _spark_compat
 
 TIMEOUT = 900  # seconds, a safety net: the job takes ~100 s on 2 quiet cores
-pytestmark = [pytest.mark.timeout(TIMEOUT + 120)]
+pytestmark = [pytest.mark.timeout(TIMEOUT + 120), pytest.mark.integration]
 
 
 def _is_loopback(address: str) -> bool:

@@ -18,6 +18,8 @@ import time
 import pytest
 from fresh_process import ROOT, TESTS, run_job
 
+pytestmark = pytest.mark.integration  # each test starts its own Spark or Ray
+
 
 def _failed_start(side: str) -> dict:
     return run_job("session_start_job", side, timeout=400)

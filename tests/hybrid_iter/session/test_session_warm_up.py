@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 from fresh_process import run_job
 
+pytestmark = pytest.mark.integration  # each test starts its own Spark or Ray
+
 
 def _job(case: str, extra_env: dict[str, str] | None = None) -> dict:
     return run_job("warm_up_job", case, timeout=480, extra_env=extra_env)  # under pytest-timeout

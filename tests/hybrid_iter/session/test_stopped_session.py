@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from fresh_process import run_job
 
+pytestmark = pytest.mark.integration  # each test starts its own Spark or Ray
+
 ENTRY_POINTS = {
     "iterate_bounded": "data stream 0",
     "iterate_unbounded": "data stream 0",
