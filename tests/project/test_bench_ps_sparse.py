@@ -41,7 +41,6 @@ for line in sys.stdin:
 #: and waits for its stdin to close
 STARTS_FROM_A_THREAD = """
 import subprocess, sys, threading
-from paths import BENCHMARKS
 done = threading.Event()
 def start():
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=-1)
