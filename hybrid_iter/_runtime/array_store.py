@@ -451,7 +451,7 @@ def read_arrays(stored: StoredArrays, pid: int) -> Any:
         raise StoredArraysLost(
             f"partition {pid}'s arrays kept from an earlier fit are gone "
             f"({type(ex).__name__}: {ex}); the fit reads the DataFrame from Spark again"
-        ) from None
+        ) from ex
 
 
 #: the task's objects until the store has copied them (then released: the object store

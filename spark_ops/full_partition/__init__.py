@@ -158,7 +158,7 @@ def _output_schema(schema: Any, what: str) -> tuple[StructType, bool]:
             raise SparkOpsConfigError(
                 f"{what}: schema {schema!r} is not a valid DDL schema or type "
                 f'(e.g. "id long, total double" or "double"): {str(ex).splitlines()[0]}'
-            ) from None
+            ) from ex
     elif isinstance(schema, DataType):
         parsed = schema
     else:
@@ -290,7 +290,7 @@ def _sort_column(df: DataFrame, field: Any, what: str) -> tuple[Column, str]:
             raise SparkOpsConfigError(
                 f"{what}: the Column {field} does not resolve against the DataFrame "
                 f"(columns {df.columns}): {str(ex).splitlines()[0]}"
-            ) from None
+            ) from ex
         label = str(field)
     if not _orderable(dtype):
         raise SparkOpsConfigError(
