@@ -194,6 +194,7 @@ class _AuthFactory(flight.ServerMiddlewareFactory):  # type: ignore[misc]
             raise flight.FlightUnauthenticatedError("wrong or missing token")
         version = _header(headers, _PROTOCOL)
         if version != str(PROTOCOL_VERSION):
+            # its words are the wire contract: clients of every release match them
             raise flight.FlightServerError(
                 f"protocol version mismatch: client {version}, coordinator {PROTOCOL_VERSION}"
             )
@@ -604,6 +605,8 @@ def handshake(
             f"driver and the coordinator; without one, each run makes its own"
         ) from ex
     except flight.FlightServerError as ex:
+        # Flight carries a status and a text, no type of ours: the text is what every
+        # release's server (_AuthFactory) sends, a server of another release included
         if "protocol version mismatch" in str(ex):
             raise EndpointVersionMismatch(
                 f"{what} at {where} refused this subtask's protocol "

@@ -3,7 +3,8 @@ that exception as the cause (``raise ... from ex``) and says what failed, and it
 by what it checked (a type, a file that is there or not), never by guessing.
 
 The lint below reads the three packages' source (no Spark, no Ray); the tests after it
-raise the messages a user can meet and look at their causes.
+raise the messages a user can meet and look at their causes. Those needing a live
+Spark session take the ``spark`` fixture and are named ``test_spark_*``.
 """
 
 from __future__ import annotations
@@ -229,3 +230,172 @@ def test_results_that_do_not_fit_the_schema_keep_arrows_refusal():
     with pytest.raises(TypeError, match="not an iterable of results") as info:
         _results(spec, lambda records: 5, iter(()))  # type: ignore[arg-type]
     _cause(info, TypeError)
+
+
+# -- decisions made by what was checked, not guessed ----------------------------------------
+
+
+def test_a_model_path_is_looked_at_not_guessed_from_sparks_error(tmp_path):
+    """Spark's metadata there or not decides ModelExistsError / ModelNotFoundError,
+    before Spark is asked (no session needed to be refused)."""
+    from hybrid_iter.ml._persist import has_spark_metadata
+    from hybrid_iter.ml._stages import StageModelReader, StageModelWriter
+
+    path = str(tmp_path / "model")
+    assert not has_spark_metadata(path)
+    with pytest.raises(hi.ModelNotFoundError, match="Spark's metadata is missing"):
+        StageModelReader(object).load(path)
+    (tmp_path / "model" / "metadata").mkdir(parents=True)
+    assert has_spark_metadata(path)
+    with pytest.raises(hi.ModelExistsError, match=r"write\(\)\.overwrite\(\)\.save"):
+        StageModelWriter(None).saveImpl(path)
+
+
+def _raising(ex: BaseException):
+    def parse(_text):
+        raise ex
+
+    return parse
+
+
+@pytest.fixture
+def spark_parse(monkeypatch):
+    """Make pyspark's DDL parser raise what a test gives it (no session needed)."""
+    import pyspark.sql.types
+
+    def use(ex: BaseException) -> None:
+        monkeypatch.setattr(pyspark.sql.types, "_parse_datatype_string", _raising(ex))
+
+    return use
+
+
+def _ddl_checks():
+    from spark_ops import SparkOpsConfigError
+    from spark_ops.full_partition import _output_schema
+    from spark_ops.local_agg import _parse_type
+    from spark_ops.side_inputs import SideInputConfigError
+    from spark_ops.side_inputs._plan import parse_schema
+
+    return [
+        (lambda s: _output_schema(s, "map_partition"), SparkOpsConfigError),
+        (lambda s: _parse_type(s, "aggregate"), SparkOpsConfigError),
+        (lambda s: parse_schema(s, "map"), SideInputConfigError),
+    ]
+
+
+def test_a_schema_spark_refuses_is_named_with_sparks_refusal_as_the_cause(spark_parse):
+    from pyspark.errors import ParseException
+
+    spark_parse(ParseException(message="[PARSE_SYNTAX_ERROR] Syntax error at or near '!'"))
+    for check, error in _ddl_checks():
+        with pytest.raises(error, match="not a") as info:
+            check("id long, !")
+        _cause(info, ParseException)
+
+
+def test_a_schema_parser_that_fails_is_not_taken_for_a_bad_schema(spark_parse):
+    """No session to parse with (or a JVM gone) is that failure, not 'not a valid DDL'."""
+    from pyspark.errors import PySparkRuntimeError
+
+    spark_parse(
+        PySparkRuntimeError(errorClass="SESSION_OR_CONTEXT_NOT_EXISTS", messageParameters={})
+    )
+    for check, _error in _ddl_checks():
+        with pytest.raises(PySparkRuntimeError):
+            check("id long")
+
+
+class _Gone(Exception):
+    """A JVM that cannot be asked."""
+
+
+def test_a_hadoop_filesystem_is_not_asked_of_a_connect_client_and_a_failure_is_not_hidden():
+    from spark_ops import require_spark_filesystem
+
+    pytest.importorskip("pyspark.sql.connect.session", exc_type=ImportError)
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    client = ConnectSession.__new__(ConnectSession)  # a client: no JVM in this process
+    require_spark_filesystem(client, "s3a://bucket/ck", what="work_dir", error=ValueError)
+
+    class Context:
+        @property
+        def _jsc(self):
+            raise _Gone("the gateway is gone")
+
+    classic = types.SimpleNamespace(sparkContext=Context())
+    with pytest.raises(_Gone):
+        require_spark_filesystem(classic, "s3a://bucket/ck", what="work_dir", error=ValueError)
+
+
+def test_kept_arrays_are_lost_only_when_ray_says_so(monkeypatch):
+    from hybrid_iter._runtime import array_store
+
+    stored = array_store.StoredArrays("store", ("app", 1), array_store.READ, 2)
+
+    def no_store(name):
+        raise ValueError(f"Failed to look up actor with name {name!r}")
+
+    monkeypatch.setattr(array_store, "_handle", no_store)
+    with pytest.raises(hi.StoredArraysLost, match="partition 1's arrays") as info:
+        array_store.read_arrays(stored, 1)
+    _cause(info, ValueError)
+
+    class Broken:
+        @property
+        def refs(self):
+            raise AttributeError("a bug, not a lost array")
+
+    monkeypatch.setattr(array_store, "_handle", lambda name: Broken())
+    with pytest.raises(AttributeError, match="a bug"):
+        array_store.read_arrays(stored, 1)
+
+
+@pytest.mark.parametrize(
+    ("error", "port_advice"),
+    [
+        (hi.EndpointBindError("127.0.0.1:7000 is in use by another process"), True),
+        (RuntimeError("the shard's actor died"), False),
+    ],
+)
+def test_a_shard_that_cannot_serve_again_gets_port_advice_only_for_a_port(error, port_advice):
+    from hybrid_iter._errors import ShardsUnavailable
+    from hybrid_iter.ps._epochs import Epochs
+
+    epochs = Epochs.__new__(Epochs)
+    epochs.serving = types.SimpleNamespace(specs=[types.SimpleNamespace(bind="127.0.0.1:7000")])
+
+    def each(method, args):
+        raise error
+
+    epochs._each = each
+    with pytest.raises(ShardsUnavailable, match=type(error).__name__) as info:
+        epochs._serve()
+    assert ("EndpointConfig(bind=" in str(info.value)) is port_advice
+    assert info.value.__cause__ is error
+
+
+# -- with a live Spark session (run with the rest of the Spark tests) -----------------------
+
+
+def test_spark_a_bad_ddl_schema_is_refused_with_sparks_refusal_as_the_cause(spark):
+    from pyspark.errors import AnalysisException
+
+    for check, error in _ddl_checks():
+        for text, refusal in (("id long, !", AnalysisException), ("a decimal(50, 2)", Exception)):
+            with pytest.raises(error, match="not a") as info:
+                check(text)
+            _cause(info, refusal)
+
+
+def test_spark_a_sort_column_that_does_not_resolve_keeps_sparks_analysis_error(spark):
+    from pyspark.errors import AnalysisException
+    from pyspark.sql import functions as F
+
+    from spark_ops import SparkOpsConfigError
+    from spark_ops.full_partition import full_window_partition
+
+    df = spark.createDataFrame([(1, 2.0)], "k long, v double")
+    with pytest.raises(SparkOpsConfigError, match="does not resolve") as info:
+        full_window_partition(df).sort_partition(F.col("nope"))
+    _cause(info, AnalysisException)
