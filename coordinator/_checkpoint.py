@@ -491,7 +491,7 @@ def _read_array(view: memoryview, pos: int, n: int, path: str) -> np.ndarray[Any
             head, max_header_size=length + 1
         )
     except ValueError as ex:
-        raise CheckpointCorrupt(f"{path}: unreadable array record ({ex})") from None
+        raise CheckpointCorrupt(f"{path}: unreadable array record ({ex})") from ex
     data, count = pos + 12 + length, math.prod(shape)
     if data + count * dtype.itemsize != pos + n:
         raise CheckpointCorrupt(f"{path}: an array record's size does not match its header")

@@ -112,7 +112,7 @@ def _parse(blob: bytes, path: str) -> tuple[dict[str, Any], int]:
     try:
         header = json.loads(bytes(blob[start : start + length]))
     except ValueError as ex:
-        raise damaged(path, f"its header is not readable JSON ({ex})") from None
+        raise damaged(path, f"its header is not readable JSON ({ex})") from ex
     problem = _field_problem(header)
     if problem is not None:
         raise damaged(path, f"its header is not one hybrid_iter writes ({problem})")

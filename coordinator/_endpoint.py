@@ -194,6 +194,7 @@ class _AuthFactory(flight.ServerMiddlewareFactory):  # type: ignore[misc]
             raise flight.FlightUnauthenticatedError("wrong or missing token")
         version = _header(headers, _PROTOCOL)
         if version != str(PROTOCOL_VERSION):
+            # its words are the wire contract: clients of every release match them
             raise flight.FlightServerError(
                 f"protocol version mismatch: client {version}, coordinator {PROTOCOL_VERSION}"
             )
@@ -380,7 +381,7 @@ class EndpointServer(FlightServing):
         try:
             result = future.result()
         except EndpointError as ex:
-            raise flight.FlightServerError(str(ex)) from None
+            raise flight.FlightServerError(str(ex)) from ex
         return iter([cloudpickle.dumps(result, protocol=5)])
 
     def do_get(self, context: Any, ticket: Any) -> Any:
@@ -596,21 +597,23 @@ def handshake(
     options = flight.FlightCallOptions(timeout=timeout, headers=headers)
     try:
         (result,) = list(client.do_action(flight.Action("hello", b""), options))
-    except flight.FlightUnauthenticatedError:
+    except flight.FlightUnauthenticatedError as ex:
         raise EndpointAuthError(
             f"{what} at {where} refused this subtask's token: the "
             f"task plan's token is not the one the coordinator serves with. Use the "
             f"same EndpointConfig(token=...) (or HYBRID_ITER_ENDPOINT_TOKEN) for the "
             f"driver and the coordinator; without one, each run makes its own"
-        ) from None
+        ) from ex
     except flight.FlightServerError as ex:
+        # Flight carries a status and a text, no type of ours: the text is what every
+        # release's server (_AuthFactory) sends, a server of another release included
         if "protocol version mismatch" in str(ex):
             raise EndpointVersionMismatch(
                 f"{what} at {where} refused this subtask's protocol "
                 f"version ({str(ex).splitlines()[0]}): install the same hybrid_iter on "
                 f"the executors as on the driver and the Ray cluster"
-            ) from None
-        raise EndpointError(f"{what} at {where} failed: {ex}") from None
+            ) from ex
+        raise EndpointError(f"{what} at {where} failed: {ex}") from ex
     except (flight.FlightUnavailableError, flight.FlightTimedOutError) as ex:
         raise EndpointError(
             f"{what} at {where} cannot be reached within "
@@ -618,7 +621,7 @@ def handshake(
             f"that the executors can reach that host and port (EndpointConfig(bind=..., "
             f"advertise=...), a firewall or NetworkPolicy, TLS on both sides or "
             f"neither), and that {running} is running"
-        ) from None
+        ) from ex
     except flight.FlightError as ex:
         bad = token_problem(address.token)
         said = (str(ex).splitlines() or [""])[0]
@@ -673,7 +676,7 @@ class FlightLink(_Forwarding):
             raise EndpointError(
                 f"{self._what} at {self.address.address} failed in {method}: "
                 f"{str(ex).splitlines()[0] if str(ex) else type(ex).__name__}{self._lost}"
-            ) from None
+            ) from ex
         return cloudpickle.loads(results[0].body.to_pybytes())
 
     def _call(self, method: str, *args: Any) -> _FuturePending[Any]:
@@ -705,14 +708,14 @@ class FlightLink(_Forwarding):
             raise EndpointError(
                 f"the coordinator endpoint at {self.address.address} failed streaming "
                 f"variables version {ref.version}: {str(ex).splitlines()[0]}"
-            ) from None
+            ) from ex
         try:
             return assemble(ref, pieces)
         except ValueError as ex:
             raise EndpointError(
                 f"the coordinator endpoint at {self.address.address} streamed variables "
                 f"version {ref.version} wrong: {ex}"
-            ) from None
+            ) from ex
 
     def group_of(self, pid: int) -> Pending[CoordinatorLink | None]:
         def link(location: str | None) -> CoordinatorLink | None:

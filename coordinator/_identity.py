@@ -256,7 +256,7 @@ def bounded_checkpoint_spec(
     try:
         key, previous_key = checkpoint_key(), previous_checkpoint_key()
     except ValueError as ex:
-        raise IterationConfigError(str(ex)) from None
+        raise IterationConfigError(str(ex)) from ex
     keep_last = ck.keep_last if ck is not None else 2
     store = CheckpointStore(uri, keep_last=keep_last, key=key, previous_key=previous_key)
     run_id, expect = uuid.uuid4().hex[:16], None

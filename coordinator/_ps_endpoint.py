@@ -105,7 +105,7 @@ def unpack(message: Any) -> Any:
             buffers.append(view[at : at + size])
             at += size
     except struct.error as ex:
-        raise ValueError(f"a truncated message ({ex})") from None
+        raise ValueError(f"a truncated message ({ex})") from ex
     if at != len(view):
         raise ValueError(f"{len(view) - at} bytes after the last buffer")
     return pickle.loads(head, buffers=buffers)
@@ -146,12 +146,12 @@ class ShardServer(FlightServing):
         try:
             args = unpack(action.body)
         except ValueError as ex:
-            raise flight.FlightServerError(f"a malformed call {kind!r}: {ex}") from None
+            raise flight.FlightServerError(f"a malformed call {kind!r}: {ex}") from ex
         future = asyncio.run_coroutine_threadsafe(self._answer(method, tuple(args)), self.loop)
         try:
             body = future.result()
         except Exception as ex:
-            raise flight.FlightServerError(f"{type(ex).__name__}: {ex}") from None
+            raise flight.FlightServerError(f"{type(ex).__name__}: {ex}") from ex
         return iter([flight.Result(pa.py_buffer(body))])
 
 
@@ -206,7 +206,7 @@ class ShardClient:
             text = str(ex).splitlines()[0] if str(ex) else type(ex).__name__
             raise EndpointError(
                 f"the parameter shard endpoint at {self.address.address} failed in {method}: {text}"
-            ) from None
+            ) from ex
         ok, value = unpack(result.body)
         if not ok:
             raise value

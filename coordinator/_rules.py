@@ -331,8 +331,6 @@ def make_rule(name: str, params: Mapping[str, float], size: int, dtype: np.dtype
     """The update rule ``name`` for a shard of ``size`` dense parameters (0 for a table)."""
     try:
         klass = _RULES[name]
-    except KeyError:
-        raise IterationConfigError(
-            f"unknown update rule {name!r}; known: {sorted(_RULES)}"
-        ) from None
+    except KeyError as ex:
+        raise IterationConfigError(f"unknown update rule {name!r}; known: {sorted(_RULES)}") from ex
     return klass(size, dtype, **dict(params))

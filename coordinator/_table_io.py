@@ -297,8 +297,8 @@ def read_meta(uri: str, *, verify: bool = True) -> tuple[dict[str, Any], bool]:
     path = f"{base}/{MODEL_FILE}"
     try:
         return read_manifest(fs, path, RESTORE_FIX, verify=verify)
-    except FileNotFoundError:
+    except FileNotFoundError as ex:
         raise FileNotFoundError(
             f"{uri!r} holds no saved model ({path} is missing: not a ps model directory, "
             f"or its save did not finish)"
-        ) from None
+        ) from ex

@@ -78,7 +78,7 @@ class GroupServer(FlightServing):
         try:
             result = future.result()
         except Exception as ex:  # upstream died: the member fails with the cause
-            raise flight.FlightServerError(f"{type(ex).__name__}: {ex}") from None
+            raise flight.FlightServerError(f"{type(ex).__name__}: {ex}") from ex
         return iter([cloudpickle.dumps(result, protocol=5)])
 
 

@@ -166,7 +166,7 @@ class IterationBody:
             try:
                 load_combiner(self.feedback_combine)
             except (TypeError, ValueError) as ex:
-                raise IterationConfigError(f"IterationBody: {ex}") from None
+                raise IterationConfigError(f"IterationBody: {ex}") from ex
         fan_in = self.feedback_fan_in
         if not isinstance(fan_in, int) or isinstance(fan_in, bool) or fan_in < 1:
             raise IterationConfigError(

@@ -308,11 +308,11 @@ class IterationConfig(_RunConfig):
             )
         try:
             lifecycle = OperatorLifecycle(self.operator_lifecycle)
-        except ValueError:
+        except ValueError as ex:
             raise IterationConfigError(
                 f"IterationConfig.operator_lifecycle must be OperatorLifecycle.ALL_ROUND or "
                 f"PER_ROUND, got {self.operator_lifecycle!r}"
-            ) from None
+            ) from ex
         object.__setattr__(self, "operator_lifecycle", lifecycle)
         if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointConfig):
             raise IterationConfigError(

@@ -17,7 +17,7 @@ from typing import Any
 
 import storage_uri
 
-from ._spark_compat import hadoop_filesystem_class, hadoop_version
+from ._spark_compat import hadoop_filesystem_class, hadoop_version, is_connect
 
 __all__ = ["require_spark_filesystem"]
 
@@ -56,17 +56,17 @@ def require_spark_filesystem(
     """Raise ``error`` naming ``what`` when Spark's Hadoop cannot open ``uri``'s scheme.
 
     A local location always passes (Spark is given ``file://``). Without a JVM in this
-    process (Spark Connect) nothing can be asked: the server reports it when the query
-    starts."""
+    process (a Spark Connect client) nothing can be asked: the server reports it when the
+    query starts. A classic session whose JVM cannot be asked raises that failure as it
+    is, never taken for a Connect client."""
     loc = storage_uri.parse(uri, what=what, error=error)
     if loc.is_local:
         return
     scheme = loc.spark.split(":", 1)[0]
-    try:
-        found = hadoop_filesystem_class(spark, scheme)
-        hadoop = hadoop_version(spark) if found is None else ""
-    except Exception:  # no JVM here (Spark Connect)
+    if is_connect(spark):
         return
+    found = hadoop_filesystem_class(spark, scheme)
+    hadoop = hadoop_version(spark) if found is None else ""
     if found is None:
         raise error(
             f"{what}={uri!r}: Spark's Hadoop ({hadoop}) has no FileSystem for {scheme}://, "

@@ -22,7 +22,8 @@ one is run by none). Nothing else in ``hybrid_iter`` or ``spark_ops`` touches ``
 * Types: ``to_arrow_schema`` / ``to_arrow_type`` (``TimestampType`` as UTC, by the keyword
   each line takes), ``python_binary_type`` (``bytes`` or ``bytearray``),
   ``observed_metrics`` (a streaming progress' observed metrics: dicts on 3.5, ``Row``s
-  on 4.x), ``collect_arrow``.
+  on 4.x), ``collect_arrow``, ``ddl_refusals`` (what a schema string Spark refuses
+  raises).
 * JVM internals: task slots, planned partition counts, cached relations and persisted
   RDDs, RDD storage sizes, a streaming file source's options, executor hosts, the
   process' JVM (a running SparkContext, a class on its classpath, its pid).
@@ -268,6 +269,24 @@ def from_arrow_schema(schema: pa.Schema) -> Any:
     from pyspark.sql.pandas.types import from_arrow_schema as convert
 
     return convert(schema, prefer_timestamp_ntz=True)
+
+
+@functools.cache
+def ddl_refusals() -> tuple[type[BaseException], ...]:
+    """What PySpark raises for a schema or type string Spark refuses
+    (``_parse_datatype_string``), classic and Connect: its parser's ``ParseException``
+    (an ``AnalysisException``), a type it cannot make (a decimal's precision:
+    ``ArithmeticException``; an argument out of range: ``IllegalArgumentException``),
+    and, classic only, any other Java exception the JVM threw parsing it (an unsupported
+    precision or collation), which PySpark leaves a ``Py4JJavaError``. Not in it: no
+    session to parse with, a JVM or server that cannot be reached. The pyspark.errors
+    classes are taken where this PySpark has them."""
+    import pyspark.errors
+    from py4j.protocol import Py4JJavaError
+
+    names = ("AnalysisException", "ArithmeticException", "IllegalArgumentException")
+    found = [getattr(pyspark.errors, name, None) for name in names]
+    return (*(t for t in found if isinstance(t, type)), Py4JJavaError)
 
 
 @functools.cache

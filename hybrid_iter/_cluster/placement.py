@@ -108,7 +108,7 @@ def _configured() -> dict[str, float] | None:
         raise SessionError(
             f"{COORDINATOR_RESOURCES_ENV} must be a JSON object such as "
             f'{{"{HEAD_RESOURCE}": 0.001}} ({{}} = any node), got {text!r}: {ex}'
-        ) from None
+        ) from ex
     return check_resources(value, COORDINATOR_RESOURCES_ENV)
 
 

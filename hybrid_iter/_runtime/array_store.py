@@ -440,18 +440,31 @@ def _handle(name: str) -> Any:
 def read_arrays(stored: StoredArrays, pid: int) -> Any:
     """Partition ``pid``'s kept arrays (zero-copy, read-only views of the object store);
     ``StoredArraysLost`` when they are gone. Runs in a Spark task (Ray connected)."""
-    import ray
+    import ray.exceptions
+
+    def lost(why: str) -> StoredArraysLost:
+        return StoredArraysLost(
+            f"partition {pid}'s arrays kept from an earlier fit are gone or out of reach "
+            f"({why}); the fit reads the DataFrame from Spark again"
+        )
 
     try:
-        refs = ray.get(_handle(stored.store).refs.remote(stored.key, pid), timeout=CALL_TIMEOUT)
+        handle = _handle(stored.store)
+    except ValueError as ex:  # ray.get_actor: no actor of that name, the store ended
+        raise lost(f"{type(ex).__name__}: {ex}") from ex
+    # only what says the store or its objects are gone (or out of reach); anything else
+    # is a failure of its own, raised as it is
+    try:
+        refs = ray.get(handle.refs.remote(stored.key, pid), timeout=CALL_TIMEOUT)
         if refs is None:
-            raise KeyError(f"partition {pid} is no longer kept")
+            raise lost(f"the store no longer keeps partition {pid}")
         return ray.get(refs[0], timeout=CALL_TIMEOUT)
-    except Exception as ex:
-        raise StoredArraysLost(
-            f"partition {pid}'s arrays kept from an earlier fit are gone "
-            f"({type(ex).__name__}: {ex}); the fit reads the DataFrame from Spark again"
-        ) from None
+    except (
+        ray.exceptions.RayActorError,
+        ray.exceptions.ObjectLostError,
+        ray.exceptions.GetTimeoutError,
+    ) as ex:
+        raise lost(f"{type(ex).__name__}: {ex}") from ex
 
 
 #: the task's objects until the store has copied them (then released: the object store

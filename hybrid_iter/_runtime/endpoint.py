@@ -144,7 +144,7 @@ def check_tls(
             ec.tls_cert, ec.tls_key, password=no_passphrase
         )
     except ssl.SSLError as ex:
-        mismatch = "KEY_VALUES_MISMATCH" in str(ex) or "values mismatch" in str(ex)
+        mismatch = ex.reason == "KEY_VALUES_MISMATCH"  # OpenSSL's reason code, not its text
         why = (
             "is not the private key of the certificate in"
             if mismatch

@@ -211,7 +211,9 @@ _ENDPOINT_FAILURE = re.compile(r"coordinator\._errors\.(Endpoint\w*): (.+)")
 def _endpoint_failure(error: BaseException) -> str | None:
     """The coordinator endpoint's own error (``EndpointError``, ``EndpointAuthError``,
     ``EndpointVersionMismatch``: it names the address and the fix) in a failed stage's
-    report, if a subtask raised one; the same text from classic and Connect clients."""
+    report, if a subtask raised one; the same text from classic and Connect clients. Read
+    off the text: a subtask's exception reaches the driver only as text in Spark's report
+    (no type crosses), where its qualified class name is the mark of it."""
     found = _ENDPOINT_FAILURE.search(spark_error_text(error))
     return None if found is None else f"{found.group(1)}: {found.group(2).strip()}"
 

@@ -162,7 +162,7 @@ def auth_token(starting: bool) -> str | None:
             raise SessionError(
                 f"{WHERE}: RAY_AUTH_TOKEN_PATH={path!r} cannot be read ({ex}); point it at "
                 f"the cluster's token file, or set RAY_AUTH_TOKEN"
-            ) from None
+            ) from ex
         if not token:
             raise SessionError(f"{WHERE}: RAY_AUTH_TOKEN_PATH={path!r} is empty")
         return token

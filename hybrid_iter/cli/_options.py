@@ -104,7 +104,7 @@ def _ray_address(text: str, where: str) -> str:
     try:
         return check_ray_address(text, where)
     except SessionError as ex:
-        raise CliError(str(ex)) from None
+        raise CliError(str(ex)) from ex
 
 
 def _non_empty(text: str, where: str) -> str:
@@ -163,7 +163,7 @@ def _pairs(text: str, where: str) -> dict[str, Any]:
         try:
             value = json.loads(text)
         except json.JSONDecodeError as ex:
-            raise CliError(f"{where} is not valid JSON: {ex}") from None
+            raise CliError(f"{where} is not valid JSON: {ex}") from ex
         if not isinstance(value, dict):
             raise CliError(f"{where} must be a JSON object")
         return dict(value)

@@ -45,8 +45,8 @@ def load_target(target: str) -> Callable[..., Any]:
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
-        except AttributeError:
-            raise CliError(f"{target!r}: {module_name!r} has no attribute {attr!r}") from None
+        except AttributeError as ex:
+            raise CliError(f"{target!r}: {module_name!r} has no attribute {attr!r}") from ex
     if not callable(obj):
         raise CliError(f"{target!r} is a {type(obj).__name__}, not a function")
     return obj
@@ -64,7 +64,7 @@ def _check_signature(fn: Callable[..., Any], options: RunOptions) -> None:
         raise CliError(
             f"{options.target} cannot be called as FUNCTION(session, **params) with params "
             f"{sorted(options.params)}: {ex}; it takes (session, {', '.join(names)})"
-        ) from None
+        ) from ex
 
 
 def _open_session(options: RunOptions) -> Any:

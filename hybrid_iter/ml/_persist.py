@@ -44,7 +44,14 @@ from .._errors import (
     UnverifiedModelWarning,
 )
 
-__all__ = ["data_dir", "read_model", "saved_layout", "spark_layout", "write_model"]
+__all__ = [
+    "data_dir",
+    "has_spark_metadata",
+    "read_model",
+    "saved_layout",
+    "spark_layout",
+    "write_model",
+]
 
 FORMAT = "hybrid_iter.ml"
 FORMAT_VERSION = 1
@@ -141,6 +148,16 @@ def saved_layout(path: str) -> str | None:
     if fs.get_file_info(f"{root}/data/{_META}").type != pafs.FileType.NotFound:
         return "spark"
     return None
+
+
+def has_spark_metadata(path: str) -> bool:
+    """Whether ``path`` holds Spark's metadata of a model: ``path/metadata``, which
+    ``DefaultParamsWriter`` writes (and refuses to write again) and ``DefaultParamsReader``
+    reads."""
+    import pyarrow.fs as pafs
+
+    fs, root = _filesystem(path)
+    return bool(fs.get_file_info(f"{root}/metadata").type != pafs.FileType.NotFound)
 
 
 def spark_layout(path: str) -> bool:

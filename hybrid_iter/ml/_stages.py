@@ -209,7 +209,7 @@ class StageModelWriter(MLWriter):
         self.instance = instance
 
     def saveImpl(self, path: str) -> None:
-        from ._persist import data_dir, saved_layout, write_model
+        from ._persist import data_dir, has_spark_metadata, saved_layout, write_model
 
         # ``write().overwrite()`` has emptied ``path`` by now (pyspark's MLWriter.save);
         # a model ``save`` wrote there would otherwise be the one ``Model.load`` reads
@@ -218,16 +218,14 @@ class StageModelWriter(MLWriter):
                 f"{path!r} already holds a model saved by model.save(path); replace it with "
                 f"model.write().overwrite().save({path!r}), or choose another path"
             )
-        try:
-            DefaultParamsWriter.saveMetadata(self.instance, path, self.sc)
-        except Exception as ex:
-            if "already exists" not in str(ex):
-                raise
+        # looked at, not read off Spark's error: any other failure of the write is its own
+        if has_spark_metadata(path):
             raise ModelExistsError(
                 f"{path!r} already holds a saved model; replace it with "
                 f"model.write().overwrite().save({path!r}) (as in pyspark.ml), or choose "
                 f"another path"
-            ) from ex
+            )
+        DefaultParamsWriter.saveMetadata(self.instance, path, self.sc)
         write_model(
             data_dir(path),
             type(self.instance).__name__,
@@ -245,18 +243,16 @@ class StageModelReader(MLReader):
         self.cls = cls
 
     def load(self, path: str) -> Any:
-        from ._persist import data_dir, read_model
+        from ._persist import data_dir, has_spark_metadata, read_model
 
-        try:
-            metadata = DefaultParamsReader.loadMetadata(path, self.sc)
-        except Exception as ex:
-            if "does not exist" not in str(ex):
-                raise
+        # looked at, not read off Spark's error: any other failure of the read is its own
+        if not has_spark_metadata(path):
             raise ModelNotFoundError(
                 f"{path!r} holds no model written by model.write().save(path) (Spark's "
                 f"metadata is missing): a wrong path, or a save that did not finish; a model "
                 f"saved by model.save(path) loads with {self.cls.__name__}.load(path)"
-            ) from ex
+            )
+        metadata = DefaultParamsReader.loadMetadata(path, self.sc)
         _, _, arrays = read_model(data_dir(path))
         model = self.cls._from_arrays(arrays)
         model._resetUid(metadata["uid"])

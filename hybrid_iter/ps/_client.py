@@ -152,7 +152,9 @@ class RayShards:
         try:
             return list(ray.get(calls))
         except ray.exceptions.RayTaskError as ex:
-            if isinstance(ex.cause, HybridIterError):  # a shard refused the call: say why
+            if isinstance(ex.cause, HybridIterError):
+                # a shard refused the call: its own error (the message says why) is raised
+                # as itself; Ray's wrapper adds only the shard's traceback of a refusal
                 raise ex.cause from None
             raise
         except ray.exceptions.RayActorError as ex:

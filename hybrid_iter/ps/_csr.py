@@ -138,21 +138,21 @@ class CSR:
         """Positions of the entries' ids in ``params[table].ids``."""
         try:
             return self._locals[table][0]
-        except KeyError:
+        except KeyError as ex:
             raise UsageError(
                 f"column {self.name!r} does not key table {table!r} (it keys "
                 f"{sorted(self._locals) or 'none'}); see ps.train(keys=...)"
-            ) from None
+            ) from ex
 
     def _target(self, like: Any) -> tuple[np.ndarray, int]:
         if isinstance(like, Rows):
             try:
                 return self._locals[like.name]
-            except KeyError:
+            except KeyError as ex:
                 raise UsageError(
                     f"column {self.name!r} does not key table {like.name!r} (it keys "
                     f"{sorted(self._locals) or 'none'}); see ps.train(keys=...)"
-                ) from None
+                ) from ex
         got = {id(p): (p, n) for p, n in self._locals.values()}
         if len(got) != 1:
             self.local  # noqa: B018 - raises the error that says why

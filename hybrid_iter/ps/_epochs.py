@@ -232,18 +232,28 @@ class Epochs(CoordinatorOperator):
     def _serve(self) -> None:
         """Over the endpoint: every shard serving where the tasks' plans say (a shard Ray
         restarted is a new process: it serves again, on the address it served on)."""
-        from .._errors import ShardsUnavailable
+        from .._errors import EndpointBindError, ShardsUnavailable
 
         assert self.serving is not None
         try:
             got = self._each("serve_endpoint", list(self.serving.specs))
         except Exception as ex:
+            # the shard's own error, out of Ray's wrapper (RayTaskError.cause) if it has one
+            cause = getattr(ex, "cause", None)
+            shown = cause if isinstance(cause, BaseException) else ex
+            said = (str(shown).splitlines() or [""])[0]
+            # the port advice only when the shard's server said it cannot listen there
+            # (EndpointBindError: it names why); any other failure is said as it is
+            fix = (
+                "give EndpointConfig(bind='host:port') a host whose ports stay free, or run "
+                "with transport='ray'"
+                if isinstance(shown, EndpointBindError)
+                else "the shard actor's log in Ray's logs has the rest"
+            )
             raise ShardsUnavailable(
                 f"a restarted parameter shard cannot serve again on the address the tasks "
                 f"dial ({', '.join(s.bind for s in self.serving.specs)}): "
-                f"{str(ex).splitlines()[0] if str(ex) else type(ex).__name__}; another "
-                f"process may hold its port: give EndpointConfig(bind='host:port') a host "
-                f"whose ports stay free, or run with transport='ray'"
+                f"{type(shown).__name__}: {said}; {fix}"
             ) from ex
         for i, (loc, want) in enumerate(zip(got, self.serving.locations)):
             if loc != want:

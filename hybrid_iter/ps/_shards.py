@@ -271,11 +271,11 @@ def serve_shards(
         locations = ray.get(
             [h.serve_endpoint.remote(first) for h in handles], timeout=SERVE_TIMEOUT
         )
-    except ray.exceptions.GetTimeoutError:
+    except ray.exceptions.GetTimeoutError as ex:
         raise SessionError(
             f"the parameter shards did not start serving their endpoints within "
             f"{SERVE_TIMEOUT:g} s: look for the shard actors' errors in Ray's logs"
-        ) from None
+        ) from ex
     except ray.exceptions.RayTaskError as ex:
         # the server names its own cause (EndpointBindError: the address, the certificate)
         cause = ex.cause if ex.cause is not None else ex

@@ -149,11 +149,11 @@ class Worker(PartitionOperator):
         loss, grad = got
         try:
             loss = float(loss)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError) as ex:
             raise ConfigTypeError(
                 f"grad_fn must return the batch's mean loss as a number first, got "
                 f"{type(loss).__name__}"
-            ) from None
+            ) from ex
         return loss, grad
 
     def _split(self, grad: Any, keys: StepKeys | None) -> tuple[Any, list[np.ndarray | None]]:

@@ -145,6 +145,8 @@ def _output_schema(schema: Any, what: str) -> tuple[StructType, bool]:
     """``schema`` as a StructType; True when it was an atomic type (one ``value`` column)."""
     from pyspark.sql.types import DataType, StructField, StructType, _parse_datatype_string
 
+    from .._spark_compat import ddl_refusals
+
     if schema is None:
         raise SparkOpsConfigError(
             f'{what} needs the schema of its results: a DDL string ("id long, total '
@@ -154,11 +156,11 @@ def _output_schema(schema: Any, what: str) -> tuple[StructType, bool]:
     if isinstance(schema, str):
         try:
             parsed = _parse_datatype_string(schema)
-        except Exception as ex:
+        except ddl_refusals() as ex:  # Spark refused it; no session to ask raises as itself
             raise SparkOpsConfigError(
                 f"{what}: schema {schema!r} is not a valid DDL schema or type "
                 f'(e.g. "id long, total double" or "double"): {str(ex).splitlines()[0]}'
-            ) from None
+            ) from ex
     elif isinstance(schema, DataType):
         parsed = schema
     else:
@@ -283,14 +285,16 @@ def _sort_column(df: DataFrame, field: Any, what: str) -> tuple[Column, str]:
     elif isinstance(field, str):
         col, label, dtype = _resolve_name(df, field, what)
     else:
+        from pyspark.errors import AnalysisException
+
         col = field
         try:
             dtype = df.select(field).schema.fields[0].dataType
-        except Exception as ex:
+        except AnalysisException as ex:  # Spark's analysis refused it; others raise as they are
             raise SparkOpsConfigError(
                 f"{what}: the Column {field} does not resolve against the DataFrame "
                 f"(columns {df.columns}): {str(ex).splitlines()[0]}"
-            ) from None
+            ) from ex
         label = str(field)
     if not _orderable(dtype):
         raise SparkOpsConfigError(

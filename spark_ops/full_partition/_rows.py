@@ -279,7 +279,7 @@ def _column(values: Sequence[Any], field: pa.Field, write: Callable[[Any], Any] 
         raise TypeError(
             f"column {field.name!r} has type {t} and cannot hold the value {sample!r:.80} "
             f"({type(sample).__name__}): {ex}"
-        ) from None
+        ) from ex
 
 
 class RowWriter:
@@ -385,6 +385,6 @@ def conform_batch(data: Any, schema: pa.Schema) -> list[pa.RecordBatch]:
                 raise TypeError(
                     f"column {field.name!r} of a yielded batch has type {col.type}, which does "
                     f"not cast safely to the schema's {field.type}: {ex}"
-                ) from None
+                ) from ex
         out.append(pa.RecordBatch.from_arrays(arrays, schema=schema))
     return out

@@ -292,11 +292,11 @@ def _results(spec: TaskSpec, fn: Callable, records: Iterator[Any]) -> Iterator[A
         )
     try:
         return iter(out)
-    except TypeError:
+    except TypeError as ex:
         raise TypeError(
             f"{spec.op} function {spec.fn_name} returned a {type(out).__name__}, not an "
             f"iterable of results (write it as a generator with `yield`)"
-        ) from None
+        ) from ex
 
 
 class _Out:

@@ -327,6 +327,8 @@ class BarrierStage:
         except Exception as ex:
             # A DataFrame ending in coalesce() or union() has the right partition count but
             # an RDD chain Spark refuses in a barrier stage (raised before any task runs).
+            # Its Java class has no Python type (PySpark raises a Py4JJavaError): the class
+            # name in the error's text is the one mark of it.
             if self.repartitioned or "BarrierJobUnsupportedRDDChainException" not in str(ex):
                 raise
             self.repartitioned = True

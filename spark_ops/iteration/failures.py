@@ -19,7 +19,9 @@ The failed task is named in the job's message: ``barrier task ResultTask(stage,
 partition)`` for a barrier stage, ``Lost task p.a in stage ...`` otherwise (for the
 result stages hybrid_iter runs, the task index is the partition id). A Python exception
 raised by user code (``PythonException: Traceback ...``) is never a death, whatever its
-text says. ``python_worker_death`` is pure: it reads text and returns what it found.
+text says. ``python_worker_death`` is pure: it reads text and returns what it found. Text
+because nothing else says it: PySpark raises a worker's death as the same exception type
+as any other failed job, and a Connect client gets only the server's message.
 """
 
 from __future__ import annotations

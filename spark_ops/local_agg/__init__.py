@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._errors import NonMergeableAggregateError, SparkOpsConfigError
+from .._spark_compat import ddl_refusals
 from ..aggregate import AggregateFunction, _check_aggregate
 
 if TYPE_CHECKING:
@@ -606,7 +607,7 @@ def _parse_type(result_type: Any, what: str) -> DataType:
         )
     try:
         return _parse_datatype_string(result_type)
-    except Exception as ex:
+    except ddl_refusals() as ex:  # Spark refused it; no session to ask raises as itself
         raise SparkOpsConfigError(
             f"{what}: result_type={result_type!r} is not a Spark type (try 'double', "
             f"'bigint', 'string', 'array<double>', 'struct<a: double, b: bigint>')"

@@ -101,6 +101,8 @@ def check_fn(fn: Any, method: str) -> None:
 def parse_schema(schema: Any, method: str) -> StructType:
     from pyspark.sql.types import StructType, _parse_datatype_string
 
+    from .._spark_compat import ddl_refusals
+
     if schema is None:
         raise SideInputConfigError(
             f"{method}(fn, schema) needs the output schema: a StructType or a DDL string "
@@ -114,7 +116,7 @@ def parse_schema(schema: Any, method: str) -> StructType:
         )
     try:
         parsed = _parse_datatype_string(schema)
-    except Exception as ex:
+    except ddl_refusals() as ex:  # Spark refused it; no session to ask raises as itself
         raise SideInputConfigError(
             f"{method}(): schema {schema!r} is not a valid DDL schema ({ex}); write e.g. "
             f"'user_id long, segment string'"

@@ -423,6 +423,26 @@ def test_a_numeric_column_check_names_the_real_cause_on_this_line(spark):
     assert isinstance(err.value.__cause__, TypeError)  # PySpark's own refusal, kept
 
 
+def test_a_schema_string_spark_refuses_is_told_from_a_session_that_cannot_parse(spark):
+    """Each way this line refuses a schema string is one of ``ddl_refusals`` (a config
+    error naming the string, PySpark's refusal its cause); a failure that is not a
+    refusal is not."""
+    from pyspark.errors import PySparkRuntimeError
+    from pyspark.sql.types import _parse_datatype_string
+
+    from spark_ops import SparkOpsConfigError, full_window_partition
+
+    refused = compat.ddl_refusals()
+    df = spark.createDataFrame([(1,)], "k long")
+    for text in ("id long, !", "blabla", "a decimal(50, 2)", "a array<>"):
+        with pytest.raises(refused):
+            _parse_datatype_string(text)
+        with pytest.raises(SparkOpsConfigError, match="not a valid DDL") as err:
+            full_window_partition(df).map_partition(lambda rows: rows, text)
+        assert isinstance(err.value.__cause__, refused)
+    assert not issubclass(PySparkRuntimeError, refused)  # no session to parse with
+
+
 # -- the JVM's internals as this line lays them out ----------------------------------------
 
 
