@@ -14,16 +14,15 @@ import functools
 import json
 import struct
 import types
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
+from paths import ROOT
 
 import coordinator
 import hybrid_iter as hi
 
-ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("hybrid_iter", "coordinator", "spark_ops")
 
 #: (file, function) -> why hiding the caught exception (``from None``) is right there
