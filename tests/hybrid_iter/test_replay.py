@@ -193,8 +193,14 @@ def test_all_round_state_uses_snapshot_state_when_defined(zero_to_999):
     assert [s for e, p, s in seen if p == 0] == [1000, 2000, 3000]
 
 
-@pytest.mark.spark_lines  # the compatibility set every CI environment runs
-@pytest.mark.parametrize("lifecycle", [PER_ROUND, hi.OperatorLifecycle.ALL_ROUND])
+@pytest.mark.parametrize(
+    "lifecycle",
+    [
+        # the compatibility set every CI environment runs: one lifecycle is enough there
+        pytest.param(PER_ROUND, marks=pytest.mark.spark_lines),
+        hi.OperatorLifecycle.ALL_ROUND,
+    ],
+)
 def test_replayed_gradient_descent_equals_numpy(spark, lifecycle):
     df, X, y = make_regression(spark, rows=900, dims=3, partitions=3, seed=5)
     features = ["x0", "x1", "x2"]

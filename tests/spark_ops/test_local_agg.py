@@ -519,7 +519,6 @@ def start(agg, sink, checkpoint):
     )
 
 
-@pytest.mark.spark_lines  # the compatibility set every CI environment runs
 def test_streaming_sum_merges_micro_batch_partials_into_state_across_restarts(spark, tmp_path):
     src = tmp_path / "src"
     src.mkdir()

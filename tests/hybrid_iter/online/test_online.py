@@ -304,7 +304,6 @@ def _hybrid_files(ckpt):
     return sorted(p.name for p in (ckpt / "hybrid_iter").iterdir())
 
 
-@pytest.mark.spark_lines  # the compatibility set every CI environment runs
 def test_bad_parquet_files_are_dead_lettered_and_the_stream_goes_on(spark, tmp_path):
     """A file that is not Parquet and one whose column has the wrong type go to the
     dead-letter path with their path, reason and batch id; the good files train the same

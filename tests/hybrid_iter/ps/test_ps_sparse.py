@@ -363,7 +363,6 @@ def test_a_2_pow_30_wide_sparse_vector_column_trains_in_bounded_memory(spark):
         out.close()
 
 
-@pytest.mark.spark_lines  # the compatibility set every CI environment runs
 def test_save_load_and_transform_round_trip(clicks, tmp_path, spark):
     """save writes each shard's rows (Parquet: key, values) and the dense parameters;
     load brings them into new shards (another shard count: rows re-hashed); transform
