@@ -58,7 +58,6 @@ import os
 import pickle
 import secrets
 import struct
-import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -556,12 +555,12 @@ class CheckpointStore:
     # -- writing --------------------------------------------------------------------------
 
     def _write_atomic(self, name: str, pieces: list[Any]) -> str:
+        """Write ``pieces`` as the file ``name`` of the store's directory, whole or not
+        at all; its path."""
         final = f"{self.dir}/{name}"
-        tmp = f"{self.dir}/.{name}.tmp-{uuid.uuid4().hex}"
-        with self.fs.open_output_stream(tmp) as f:
+        with storage_uri.atomic_output(final, fs=self.fs) as f:
             for p in pieces:
                 f.write(p)
-        self.fs.move(tmp, final)
         return final
 
     def save(self, epoch: int, data: dict[str, Any], outputs: list[Any]) -> str:
