@@ -80,6 +80,7 @@ from ._errors import (
     IterationConfigError,
     UnpicklableOperator,
 )
+from ._identity import refuse_foreign_run
 from ._operator_api import overrides
 
 __all__ = [
@@ -651,8 +652,6 @@ class CheckpointStore:
                 skipped.append((f"{self.dir}/{name}", str(ex)))
                 damaged.append(epoch)
                 continue
-            from ._identity import refuse_foreign_run  # it reads this module's stores
-
             run_id = str(header.get("run_id", ""))
             refuse_foreign_run(f"{self.dir}/{name}", run_id, self.run_id, self.uri)
             return LoadedCheckpoint(

@@ -29,7 +29,7 @@ from coordinator import (
     UnpicklableOperator,
     node_local_refusal,
 )
-from coordinator._identity import bounded_checkpoint_spec
+from coordinator._spec import bounded_checkpoint_spec
 from spark_ops import (
     BarrierStage,
     ReplayPlan,
