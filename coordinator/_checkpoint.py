@@ -58,7 +58,6 @@ import os
 import pickle
 import secrets
 import struct
-import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -81,6 +80,7 @@ from ._errors import (
     IterationConfigError,
     UnpicklableOperator,
 )
+from ._identity import refuse_foreign_run
 from ._operator_api import overrides
 
 __all__ = [
@@ -556,12 +556,12 @@ class CheckpointStore:
     # -- writing --------------------------------------------------------------------------
 
     def _write_atomic(self, name: str, pieces: list[Any]) -> str:
+        """Write ``pieces`` as the file ``name`` of the store's directory, whole or not
+        at all; its path."""
         final = f"{self.dir}/{name}"
-        tmp = f"{self.dir}/.{name}.tmp-{uuid.uuid4().hex}"
-        with self.fs.open_output_stream(tmp) as f:
+        with storage_uri.atomic_output(final, fs=self.fs) as f:
             for p in pieces:
                 f.write(p)
-        self.fs.move(tmp, final)
         return final
 
     def save(self, epoch: int, data: dict[str, Any], outputs: list[Any]) -> str:
@@ -652,8 +652,6 @@ class CheckpointStore:
                 skipped.append((f"{self.dir}/{name}", str(ex)))
                 damaged.append(epoch)
                 continue
-            from ._identity import refuse_foreign_run  # it reads this module's stores
-
             run_id = str(header.get("run_id", ""))
             refuse_foreign_run(f"{self.dir}/{name}", run_id, self.run_id, self.uri)
             return LoadedCheckpoint(

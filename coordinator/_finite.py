@@ -1,11 +1,14 @@
 """Where an array first holds NaN or infinity: the one finiteness rule of every entry.
 
-``first_nonfinite`` locates the first bad value (C order); ``count_nonfinite`` counts
-them; ``nonfinite_text`` says where the first is in the user's own terms;
-``check_finite`` refuses initial values with both. The bounded and the online iteration
-entries, the coordinator's ``publish_variables``, ``ps.train``'s ``init``, its workers'
-gradients and the parameter shards all use these, so the rule and its message are
-written once. Imports neither pyspark nor Ray nor ``hybrid_iter``.
+``first_nonfinite`` locates the first bad value (C order), ``all_finite`` says whether
+there is none; ``count_nonfinite`` counts them; ``nonfinite_text`` says where the first
+is in the user's own terms; ``check_finite`` refuses initial values with both. The
+bounded and the online iteration entries, a subtask's check of its numeric columns, the
+coordinator's ``publish_variables``, ``ps.train``'s ``init``, its workers' gradients,
+the parameter shards and ``ml``'s checks of features, labels, weights and gradients all
+use these, so the rule and its message are written once. Imports neither pyspark nor Ray
+nor ``hybrid_iter``. (``spark_ops`` may not import this package, and needs no finiteness
+rule: its NaN handling is key equality, as Spark groups keys.)
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 from ._errors import IterationConfigError
 
 __all__ = [
+    "all_finite",
     "check_finite",
     "check_finite_variables",
     "count_nonfinite",
@@ -53,6 +57,11 @@ def first_nonfinite(value: Any) -> int | None:
         if bad.any():
             return start + int(bad.argmax())
     return None  # finite values whose sum overflowed
+
+
+def all_finite(value: Any) -> bool:
+    """No value of ``value`` is NaN or infinite (``first_nonfinite``'s one pass)."""
+    return first_nonfinite(value) is None
 
 
 def count_nonfinite(value: Any) -> int:

@@ -24,8 +24,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import pickle
-import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,18 +32,14 @@ import numpy as np
 
 import storage_uri
 
-from ._checkpoint import CheckpointStore, checkpoint_key, previous_checkpoint_key
 from ._errors import ForeignCheckpoint, IterationConfigError, MissingCheckpoint
-from ._spec import CheckpointSpec
 
 __all__ = [
     "RestoredCheckpoint",
-    "bounded_checkpoint_spec",
     "damaged_since",
     "fingerprint_mismatch",
     "iteration_fingerprint",
     "node_local_refusal",
-    "online_checkpoint_spec",
     "refuse_foreign_fingerprint",
     "refuse_foreign_run",
     "refuse_not_online",
@@ -212,88 +207,6 @@ def refuse_not_online(data: Mapping[str, Any], path: str) -> None:
     ``data`` marks it ``online``)."""
     if not data.get("online"):
         raise ForeignCheckpoint(f"checkpoint {path} is of another iteration: not online")
-
-
-# -- the spec -------------------------------------------------------------------------------
-
-
-def bounded_checkpoint_spec(
-    config: Any,
-    body: Any,
-    streams: Any,
-    variables: Mapping[str, Any],
-    n: int,
-    alive_nodes: int = 1,
-    warn: Callable[[str], None] = lambda _: None,
-) -> CheckpointSpec | None:
-    """The coordinator's ``CheckpointSpec`` of a bounded run (``config``: its
-    ``IterationConfig``; None: it neither checkpoints nor resumes). Every refusal is
-    raised here, on the driver, before any job: a node-local path on a multi-node
-    cluster, replayed streams, a ``resume_from`` that is not the checkpoint path, a new
-    run at a path that holds another run's files, a ``resume_from`` that holds no valid
-    checkpoint or one of another iteration. ``warn`` hears of damaged files skipped."""
-    ck = config.checkpoint
-    if ck is None and config.resume_from is None:
-        return None
-    uri = ck.path if ck is not None else config.resume_from
-    refusal = node_local_refusal(
-        uri, alive_nodes, bool(ck is not None and getattr(ck, "shared_filesystem", False))
-    )
-    if refusal:
-        raise IterationConfigError(refusal)
-    if streams.any_replayed:
-        raise IterationConfigError(
-            "checkpoints and resume_from are not supported with replayed streams yet: an "
-            "iteration with replayed streams restarts from round 0; read the streams once "
-            "(not_replay) to checkpoint it"
-        )
-    if ck is not None and config.resume_from is not None and ck.path != config.resume_from:
-        raise IterationConfigError(
-            f"resume_from={config.resume_from!r} and CheckpointConfig.path={ck.path!r} differ; "
-            f"a resumed iteration continues writing checkpoints where it resumes from"
-        )
-    fingerprint = iteration_fingerprint(body, streams, variables, n, config)
-    try:
-        key, previous_key = checkpoint_key(), previous_checkpoint_key()
-    except ValueError as ex:
-        raise IterationConfigError(str(ex)) from ex
-    keep_last = ck.keep_last if ck is not None else 2
-    store = CheckpointStore(uri, keep_last=keep_last, key=key, previous_key=previous_key)
-    run_id, expect = uuid.uuid4().hex[:16], None
-    if config.resume_from is None:
-        if store.holds_files():
-            refuse_occupied_path(uri, store.peek_run_id())
-    else:
-        loaded = store.load_latest()
-        run_id, expect = refuse_unresumable(loaded, config.resume_from, fingerprint)
-        for path, why in loaded.skipped if loaded is not None else ():
-            warn(f"skipping checkpoint {path}: {why}")
-    return CheckpointSpec(
-        uri=store.uri,
-        every_epochs=ck.every_epochs if ck is not None else 0,
-        keep_last=keep_last,
-        fingerprint=fingerprint,
-        run_id=run_id,
-        key=key,
-        previous_key=previous_key,
-        expect_epoch=expect,
-    )
-
-
-def online_checkpoint_spec(
-    uri: str, keep_last: int, body: Any, streams: Any, variables: Mapping[str, Any]
-) -> CheckpointSpec:
-    """The coordinator's ``CheckpointSpec`` of an online run checkpointing under
-    ``uri``: it always restores what is there, if it is an online checkpoint of this
-    iteration (``refuse_not_online``, the fingerprint); a run id is not checked (a
-    restarted query is a new driver process continuing the same state)."""
-    return CheckpointSpec(
-        uri=uri,
-        every_epochs=1,
-        keep_last=keep_last,
-        fingerprint={**iteration_fingerprint(body, streams, variables, 0), "online": True},
-        restore=True,
-    )
 
 
 # -- the restore ----------------------------------------------------------------------------

@@ -5,9 +5,10 @@ table parts) and on the driver (a ps model's dense parameters and ``model.json``
 ``ml`` model's arrays and ``metadata.json``). It knows nothing of the files' formats:
 ``_table_io`` (Parquet) and ``hybrid_iter.ml._persist`` (npz) add what theirs carry.
 
-* ``write_atomic(fs, path, write)``: ``write`` fills a temporary file through a stream
-  that hashes the bytes as they pass (SHA-256: no second read), the file is moved into
-  place, and its ``FileDigest`` (size, SHA-256) comes back for the manifest.
+* ``write_digested(fs, path, write)``: ``write`` fills the file through a stream that
+  hashes the bytes as they pass (SHA-256: no second read), written whole or not at all
+  (``storage_uri.atomic_output``), and its ``FileDigest`` (size, SHA-256) comes back for
+  the manifest.
 * ``read_verified(fs, path, expected, fix)``: the file's bytes, read once, after their
   size and SHA-256 matched the manifest's; else ``SavedModelError`` naming the file, what
   differs (missing, truncated, altered, from another save) and ``fix``.
@@ -32,6 +33,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+import storage_uri
+
 from ._errors import SavedModelError
 
 __all__ = [
@@ -41,7 +44,7 @@ __all__ = [
     "read_manifest",
     "read_verified",
     "seal",
-    "write_atomic",
+    "write_digested",
     "write_manifest",
 ]
 
@@ -100,19 +103,15 @@ class _HashingStream:
         return True
 
     def close(self) -> None:
-        self.closed = True  # the sink is closed by its owner (write_atomic)
+        self.closed = True  # the sink is closed by its owner (write_digested)
 
 
-def write_atomic(fs: pafs.FileSystem, path: str, write: Callable[[Any], Any]) -> FileDigest:
-    """``write(stream)`` into a temporary file beside ``path``, then moved into place
-    (a reader never sees a half-written file under its final name); the bytes' digest."""
-    parent, name = path.rsplit("/", 1)
-    fs.create_dir(parent, recursive=True)
-    tmp = f"{parent}/.{name}.tmp-{uuid.uuid4().hex}"
-    with fs.open_output_stream(tmp) as sink:
+def write_digested(fs: pafs.FileSystem, path: str, write: Callable[[Any], Any]) -> FileDigest:
+    """``write(stream)`` into ``path``, whole or not at all (a reader never sees a
+    half-written file under its final name; its folders are made); the bytes' digest."""
+    with storage_uri.atomic_output(path, fs=fs, parents=True) as sink:
         stream = _HashingStream(sink)
         write(stream)
-    fs.move(tmp, path)
     return FileDigest(stream.size, stream.hash.hexdigest())
 
 
@@ -162,7 +161,7 @@ def seal(doc: Mapping[str, Any]) -> dict[str, Any]:
 def write_manifest(fs: pafs.FileSystem, path: str, doc: Mapping[str, Any]) -> None:
     """Write ``doc`` sealed, as indented JSON (atomic)."""
     text = json.dumps(seal(doc), indent=1, sort_keys=True).encode()
-    write_atomic(fs, path, lambda f: f.write(text))
+    write_digested(fs, path, lambda f: f.write(text))
 
 
 def read_manifest(

@@ -34,7 +34,8 @@ import cloudpickle
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from ._endpoint import (
+from ._errors import EndpointError, HybridIterError
+from ._flight import (
     PROTOCOL_VERSION,
     EndpointAddress,
     EndpointSpec,
@@ -43,7 +44,6 @@ from ._endpoint import (
     open_client,
     start_server,
 )
-from ._errors import EndpointError, HybridIterError
 
 __all__ = ["SHARD_CALLS", "ShardClient", "ShardServer", "ShardServing", "pack", "unpack"]
 

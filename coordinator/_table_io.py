@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from ._checkpoint import open_filesystem
 from ._errors import SavedModelError
 from ._finite import first_nonfinite, nonfinite_text
-from ._manifest import FileDigest, read_manifest, read_verified, write_atomic, write_manifest
+from ._manifest import FileDigest, read_manifest, read_verified, write_digested, write_manifest
 
 __all__ = [
     "DENSE_FILE",
@@ -74,7 +74,7 @@ def part_name(table: str, shard: int) -> str:
 
 def _write_parquet(fs: pafs.FileSystem, path: str, data: pa.Table, save_id: str) -> FileDigest:
     data = data.replace_schema_metadata({SAVE_ID_KEY: save_id.encode()})
-    return write_atomic(fs, path, lambda f: pq.write_table(data, f, write_page_checksum=True))
+    return write_digested(fs, path, lambda f: pq.write_table(data, f, write_page_checksum=True))
 
 
 def _save_id_of(data: pa.Buffer) -> str | None:

@@ -16,7 +16,8 @@ reply, cloudpickled; a reply's variables were made readable without Ray by the
 coordinator (inline, or an ``EndpointRef`` the subtask streams from the coordinator's
 endpoint), so the group forwards them untouched.
 
-The client side (``GroupLink``) needs pyarrow and cloudpickle only: nothing of Ray.
+The client side (``GroupLink``) lives beside the coordinator's client in ``_endpoint``,
+whose ``FlightLink.group_of`` makes it: pyarrow and cloudpickle only, nothing of Ray.
 """
 
 from __future__ import annotations
@@ -30,17 +31,9 @@ from typing import Any
 import cloudpickle
 import pyarrow.flight as flight
 
-from ._endpoint import (
-    PROTOCOL_VERSION,
-    WILDCARDS,
-    EndpointAddress,
-    EndpointSpec,
-    FlightLink,
-    FlightServing,
-    start_server,
-)
+from ._flight import PROTOCOL_VERSION, WILDCARDS, EndpointSpec, FlightServing, start_server
 
-__all__ = ["GroupLink", "GroupServer", "group_link", "group_spec", "serve_group"]
+__all__ = ["GroupServer", "close_server", "group_spec", "serve_group"]
 
 #: the one call a member makes to its group (``hello`` is the handshake)
 _GROUP_CALLS = frozenset({"report"})
@@ -95,36 +88,3 @@ async def serve_group(group: Any, spec: EndpointSpec) -> GroupServer:
 def close_server(server: Any) -> None:
     if server is not None:
         threading.Thread(target=server.shutdown, daemon=True).start()
-
-
-# -- the client (in a Spark task, without Ray) ---------------------------------------------
-
-
-class GroupLink(FlightLink):
-    """A feedback group reached through its endpoint: a member's ``report`` calls (the
-    variables of a reply are read through the coordinator's link, which the task keeps)."""
-
-    _what = "the feedback group endpoint"
-    _running = "the run's coordinator (it starts its feedback groups)"
-    _lost = " (its group aggregator actor, in the coordinator tier, ended or is unreachable)"
-
-
-#: this process's group links, by (location, token): one client per group, whatever the
-#: number of this process's subtasks that report to it
-_LINKS: dict[tuple[str, str], GroupLink] = {}
-_LOCK = threading.Lock()
-
-
-def group_link(coordinator: EndpointAddress, location: str) -> GroupLink:
-    """The link to the group at ``location``, dialled with the coordinator's token, TLS
-    roots and connect timeout."""
-    key = (location, coordinator.token)
-    with _LOCK:
-        link = _LINKS.get(key)
-    if link is None:
-        link = GroupLink(dataclasses.replace(coordinator, location=location))
-        with _LOCK:
-            if len(_LINKS) >= 256:  # groups of earlier runs
-                _LINKS.clear()
-            link = _LINKS.setdefault(key, link)
-    return link

@@ -9,7 +9,7 @@ from typing import Any
 
 import storage_uri
 from coordinator import RuntimeHooks
-from coordinator._endpoint import token_problem
+from coordinator._flight import token_problem
 
 from ._errors import IterationConfigError
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+import storage_uri
 from coordinator import RuntimeHooks
 
 from ._config import _is_int
@@ -121,7 +122,7 @@ class Straggler(RuntimeHooks):
 def pause_worker(directory: str, *, pauses: int = 1, timeout: float = 300.0) -> int:
     """Spark task: the handshake of a test that kills a Python worker from outside.
 
-    Records this process's pid in ``directory/pid-<n>`` (written whole, then renamed;
+    Records this process's pid in ``directory/pid-<n>`` (written whole;
     ``n`` counts the calls before it, so a relaunch writes the next one) and, for the
     first ``pauses`` calls, waits there until the test kills the process, or until
     ``directory/release-<n>`` appears; past ``timeout`` seconds it raises
@@ -134,10 +135,8 @@ def pause_worker(directory: str, *, pauses: int = 1, timeout: float = 300.0) -> 
             break
         except FileExistsError:
             n += 1
-    tmp = os.path.join(directory, f".pid-{n}")
-    with open(tmp, "w") as f:
-        f.write(str(os.getpid()))
-    os.rename(tmp, os.path.join(directory, f"pid-{n}"))
+    with storage_uri.atomic_output(os.path.join(directory, f"pid-{n}")) as f:
+        f.write(str(os.getpid()).encode())
     if n >= pauses:
         return n
     release = os.path.join(directory, f"release-{n}")
@@ -226,11 +225,9 @@ class TraceVersions(RuntimeHooks):
 
 
 def _write_whole(path: str, **arrays: Any) -> None:
-    """``np.savez`` to ``path``, written whole then renamed (a reader never sees half)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
+    """``np.savez`` to ``path``, written whole (a reader never sees half)."""
+    with storage_uri.atomic_output(path) as f:
         np.savez(f, **arrays)
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import storage_uri
+
 __all__ = [
     "Choice",
     "Creator",
@@ -273,10 +275,8 @@ def _write_stamp(path: Path) -> None:
     st = os.stat(path)
     if time.time() - st.st_ctime < _RACY_SECONDS:
         return
-    stamp = _stamp(path)
-    tmp = stamp.with_name(f"{path.name.split('-')[0]}.{os.getpid()}.checked.tmp")
-    tmp.write_text(_identity(st))
-    os.replace(tmp, stamp)  # whole, or not at all
+    with storage_uri.atomic_output(_stamp(path)) as f:
+        f.write(_identity(st).encode())
 
 
 def _intact(path: Path, digest: str) -> bool:
@@ -478,12 +478,12 @@ def _sweep(directory: Path) -> None:
     for old in doomed:
         with contextlib.suppress(OSError):
             old.unlink()
-    for tmp in directory.glob("*.tmp"):
-        try:
-            pid = int(tmp.name.split(".")[1])
-        except (IndexError, ValueError):
-            continue
-        if not Path(f"/proc/{pid}").exists():
+    for tmp in directory.iterdir():
+        pid = storage_uri.writer_pid(tmp.name)
+        if pid is None and tmp.name.endswith(".tmp"):  # <key>.<pid>.tmp: an older naming
+            with contextlib.suppress(IndexError, ValueError):
+                pid = int(tmp.name.split(".")[1])
+        if pid is not None and not storage_uri.process_running(pid):
             with contextlib.suppress(OSError):
                 tmp.unlink()
 
@@ -504,7 +504,9 @@ def _create(key: str, keyed: dict[str, str]) -> int:
         if usable_archive(directory, key) is not None:
             return 0
         _sweep(directory)
-        tmp = directory / f"{key}.{os.getpid()}.tmp"
+        # the JVM writes the archive under a temporary name; only a whole one is moved
+        # into place, under a name that records its size and digest
+        tmp = Path(storage_uri.temporary_path(directory / f"{key}.jsa"))
         rc = _run_driver(keyed, tmp)
         try:
             with open(tmp, "rb") as f:

@@ -1,4 +1,5 @@
-"""Where files live: the storage URIs users give, read once, the way Spark reads them.
+"""Where files live: the storage URIs users give, read once, the way Spark reads them;
+and how a file of ours is written there whole.
 
 A leaf package shared by ``hybrid_iter``, ``coordinator`` and ``spark_ops`` (which may not
 import each other): pure Python plus ``pyarrow.fs``, never pyspark or Ray. One string a
@@ -13,8 +14,13 @@ and for ours (``Location.filesystem()``: a ``pyarrow.fs`` filesystem and a path 
 * ``join(uri, *names)`` appends path segments before any query string.
 * ``arrow_filesystem(uri)`` resolves the ``pyarrow.fs`` filesystem at first use (an S3
   bucket's region lookup happens here, not in a constructor), cached per process.
+* ``atomic_output(path, fs=...)`` writes a file whole or not at all (a temporary name
+  beside it, then a move), through ``pyarrow.fs`` or to a local path;
+  ``temporary_path``, ``writer_pid`` and ``process_running`` let a sweeper tell an
+  abandoned temporary file (``_files``).
 """
 
+from ._files import atomic_output, process_running, temporary_path, writer_pid
 from ._location import (
     Location,
     arrow_filesystem,
@@ -24,4 +30,15 @@ from ._location import (
     spark_uri,
 )
 
-__all__ = ["Location", "arrow_filesystem", "check", "join", "parse", "spark_uri"]
+__all__ = [
+    "Location",
+    "arrow_filesystem",
+    "atomic_output",
+    "check",
+    "join",
+    "parse",
+    "process_running",
+    "spark_uri",
+    "temporary_path",
+    "writer_pid",
+]

@@ -14,5 +14,6 @@ above nothing of ours: the runtime, ``ml`` and ``ps`` read the context, never th
 * ``spares``: the spare actor pool and the registry of ``Warmer``s their owners
   register; ``warm_up``: the session's background warm-up that drives it;
 * ``slots``: waiting for executors and task slots; ``processes``: this driver's
-  processes (liveness, the leftovers of a failed Ray start).
+  processes (the leftovers of a failed Ray start; whether a process runs is
+  ``storage_uri.process_running``, shared with ``spark_ops``).
 """

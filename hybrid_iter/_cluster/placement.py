@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._errors import SessionError
+from .ray_util import live_nodes
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def coordinator_resources(*, driver_node: bool = False) -> dict[str, float]:
     ``driver_node``: rule 3 of the module docstring (the driver's node) applies."""
     import ray
 
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    nodes = live_nodes()
     offered: dict[str, float] = {}
     for node in nodes:
         for name, amount in node.get("Resources", {}).items():

@@ -1,8 +1,8 @@
-"""This driver's processes: what Spark's Python workers need in the environment, whether a
-process is alive, and what a ``Session.local`` start that failed or was interrupted midway
-leaves behind: ``ray.init`` keeps no handle to the processes it started, so
-``ray.shutdown`` cannot end them; PySpark's JVM launch keeps its process to itself until
-the JVM's port comes. Runs on the driver.
+"""This driver's processes: what Spark's Python workers need in the environment, and what
+a ``Session.local`` start that failed or was interrupted midway leaves behind:
+``ray.init`` keeps no handle to the processes it started, so ``ray.shutdown`` cannot end
+them; PySpark's JVM launch keeps its process to itself until the JVM's port comes. Runs
+on the driver.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import sys
 import time
 from collections.abc import Callable
 
+import storage_uri
+
 __all__ = [
-    "alive",
     "end_ray_processes_of_a_failed_start",
     "end_spark_jvm_launch",
     "prepare_process_env",
@@ -141,23 +142,20 @@ def end_ray_processes_of_a_failed_start(
                 os.kill(pid, signal.SIGCONT)
         deadline = time.monotonic() + 5
         while doomed and time.monotonic() < deadline:
-            doomed = {p for p in doomed if alive(p)}
+            doomed = {p for p in doomed if _running_unreaped(p)}
             if doomed:
                 time.sleep(0.05)  # polling the processes' exit, bounded
         if not doomed:
             return
 
 
-def alive(pid: int) -> bool:
-    """``pid`` is running (a zombie is reaped here if it is our child)."""
+def _running_unreaped(pid: int) -> bool:
+    """``storage_uri.process_running(pid)``, after reaping ``pid`` if it is a child of
+    this process that exited (else it would stay a zombie as long as this process runs)."""
     with contextlib.suppress(ChildProcessError, OSError):
         if os.waitpid(pid, os.WNOHANG)[0] == pid:
             return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return storage_uri.process_running(pid)
 
 
 def prepare_process_env() -> None:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 
 from .._errors import SessionError
-from .ray_util import NAMESPACE, force_loopback, is_loopback_address
+from .ray_util import NAMESPACE, force_loopback, is_loopback_address, live_nodes
 
 __all__ = [
     "ADDRESS_ENV_VARS",
@@ -174,10 +174,9 @@ def check_offered(resources: Mapping[str, float], owns_ray: bool) -> None:
     import ray
 
     offered: dict[str, float] = {}
-    for node in ray.nodes():
-        if node.get("Alive"):
-            for name, amount in node.get("Resources", {}).items():
-                offered[name] = max(offered.get(name, 0.0), amount)
+    for node in live_nodes():
+        for name, amount in node.get("Resources", {}).items():
+            offered[name] = max(offered.get(name, 0.0), amount)
     missing = {k: v for k, v in resources.items() if offered.get(k, 0.0) < v}
     if missing:
         if owns_ray:

@@ -1,4 +1,5 @@
-"""Connecting to Ray on loopback, from the driver and from Spark tasks.
+"""Connecting to Ray on loopback, from the driver and from Spark tasks; the cluster's live
+nodes.
 
 On Linux, Ray resolves ``127.0.0.1`` to the host's outward address unless
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` was set before ``ray`` was imported (see
@@ -13,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["NAMESPACE", "connect", "force_loopback", "is_loopback_address"]
+__all__ = ["NAMESPACE", "connect", "force_loopback", "is_loopback_address", "live_nodes"]
 
 NAMESPACE = "hybrid_iter"
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -54,3 +55,11 @@ def connect(address: str, *, namespace: str = NAMESPACE) -> None:
         logging_level=logging.WARNING,
         **kwargs,
     )
+
+
+def live_nodes() -> list[dict[str, Any]]:
+    """The nodes of the connected Ray cluster that are alive (``ray.nodes()`` lists the
+    dead ones too, until the GCS forgets them)."""
+    import ray
+
+    return [n for n in ray.nodes() if n.get("Alive")]

@@ -15,7 +15,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator._endpoint import EndpointAddress, EndpointSpec
+from coordinator._flight import EndpointAddress, EndpointSpec
 
 from .._config import EndpointConfig, IterationConfig, check_token
 from .._errors import IterationConfigError, SessionError

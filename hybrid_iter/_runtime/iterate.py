@@ -29,7 +29,7 @@ from coordinator import (
     UnpicklableOperator,
     node_local_refusal,
 )
-from coordinator._identity import bounded_checkpoint_spec
+from coordinator._spec import bounded_checkpoint_spec
 from spark_ops import (
     BarrierStage,
     ReplayPlan,
@@ -50,7 +50,7 @@ from .._cluster.placement import (
     kill,
     launch_held,
 )
-from .._cluster.ray_util import NAMESPACE
+from .._cluster.ray_util import NAMESPACE, live_nodes
 from .._cluster.slots import task_slots, wait_for_task_slots
 from .._cluster.spares import keep_spare, register_warmer, retire_as_spare, spares, take_spare
 from .._config import IterationConfig, OperatorLifecycle
@@ -552,10 +552,8 @@ def _missing_failure(error: MissingCheckpoint) -> IterationFailedError:
 
 
 def _alive_nodes() -> int:
-    import ray
-
     try:
-        return sum(1 for node in ray.nodes() if node.get("Alive"))
+        return len(live_nodes())
     except Exception:  # cannot tell: assume one node (the check errs on the safe side below)
         return 1
 

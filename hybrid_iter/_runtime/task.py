@@ -24,7 +24,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from coordinator import (
@@ -37,6 +36,7 @@ from coordinator import (
     RuntimeHooks,
 )
 from coordinator._checkpoint import dump_operator, restore_operator
+from coordinator._finite import all_finite, count_nonfinite
 from coordinator._operator_api import PartitionCollector, PartitionContext
 from coordinator._tree import TreeSpec, precombine
 
@@ -151,11 +151,10 @@ def _check_batch(plan: TaskPlan, stream: int, batch: pa.RecordBatch, pid: int) -
             )
         if pa.types.is_floating(column.type):
             values = column.to_numpy(zero_copy_only=False)
-            finite = np.isfinite(values)
-            if not finite.all():
+            if not all_finite(values):
                 raise DataValidationError(
                     f"data stream {stream}: numeric column {name!r} has "
-                    f"{int(finite.size - np.count_nonzero(finite))} NaN/inf value(s) in "
+                    f"{count_nonfinite(values)} NaN/inf value(s) in "
                     f"partition {pid}; drop them first (df.filter(~F.isnan({name!r}) & "
                     f"(F.abs({name!r}) < float('inf'))))"
                 )

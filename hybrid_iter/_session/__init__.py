@@ -25,6 +25,7 @@ from .._cluster.ray_join import (
     probe_ray_cluster,
     ray_address_from_env,
 )
+from .._cluster.ray_util import live_nodes
 from .._cluster.spares import drop_spares
 from .._cluster.warm_up import WarmUp
 from . import attach as _attach
@@ -135,11 +136,9 @@ class Session:
         three are None for a Spark Connect client, which cannot see them); the CLI prints
         it before running anything.
         """
-        import ray
-
         from spark_ops import available_task_slots
 
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        nodes = live_nodes()
         if self.context.connect:  # a client sees no executor list or slots
             hosts, executors, slots = None, None, None
         else:

@@ -73,7 +73,7 @@ from spark_ops import _spark_compat
 
 from .._cluster.placement import coordinator_resources as coordinator_resources_rule
 from .._cluster.ray_join import check_ray_address, join_ray
-from .._cluster.ray_util import NAMESPACE, force_loopback, is_loopback_address
+from .._cluster.ray_util import NAMESPACE, force_loopback, is_loopback_address, live_nodes
 from .._errors import SessionError
 from .on_spark_plan import (
     WHERE,
@@ -309,9 +309,7 @@ class OnSpark:
         """Task slots the Ray worker nodes hold now; ``SessionError`` when an executor
         that can run a subtask has no raylet on its host. Runs before every barrier stage
         (``spark_ops.available_task_slots``)."""
-        import ray
-
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        nodes = live_nodes()
         executors = jvm_executors(self.spark)
         t = task_cpus(self.spark)
         missing = executors_without_raylet(
@@ -383,9 +381,8 @@ def _stop_worker_nodes(seconds: float) -> None:
         while time.monotonic() < deadline:
             alive = [
                 n
-                for n in ray.nodes()
-                if n.get("Alive")
-                and _ROS_NODE_RESOURCE in n.get("Resources", {})
+                for n in live_nodes()
+                if _ROS_NODE_RESOURCE in n.get("Resources", {})
                 and n["Resources"][_ROS_NODE_RESOURCE] != 0  # the head has node id 0
             ]
             if not alive:

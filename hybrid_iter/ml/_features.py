@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.types as pat
 
+from coordinator._finite import all_finite
 from spark_ops import column_to_numpy, is_numeric_arrow_type
 from spark_ops.iteration.partition_cache import ColumnChunks
 
@@ -385,7 +386,7 @@ class FeatureCache:
             self._chunks.add(_LABEL, column_to_numpy(batch, p.label))
         if p.weight is not None:
             w = column_to_numpy(batch, p.weight)
-            if len(w) and not (np.isfinite(w).all() and (w >= 0).all()):
+            if len(w) and not (all_finite(w) and (w >= 0).all()):
                 raise DataValidationError(
                     f"weight column {p.weight!r} holds a negative or non-finite weight; "
                     f"weights must be finite numbers >= 0"

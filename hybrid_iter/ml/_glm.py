@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from coordinator._finite import all_finite
+
 from .._errors import DataValidationError
 from .._operators import CoordinatorOperator, PartitionOperator
 from ._features import COLUMNS, FeatureCache, FeaturePlan
@@ -110,8 +112,8 @@ def validate_rows(
 ) -> None:
     """Raise ``DataValidationError`` naming the column of the first NaN / infinite value,
     or of a label a classifier cannot take."""
-    if len(X) and not np.isfinite(X).all():
-        bad = np.flatnonzero(~np.isfinite(X).all(axis=0))
+    if not all_finite(X):
+        bad = np.flatnonzero(~np.isfinite(X).all(axis=0))  # which columns, to name them
         names = _feature_names(plan)
         cols = ", ".join(repr(names[j]) for j in bad[:5])
         raise DataValidationError(
@@ -120,7 +122,7 @@ def validate_rows(
         )
     if y is None or not len(y):
         return
-    if not np.isfinite(y).all():
+    if not all_finite(y):
         raise DataValidationError(
             f"label column {plan.label!r} holds NaN or infinite values (partition "
             f"{partition}); drop those rows first"

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from coordinator import RuntimeHooks
+from coordinator._finite import all_finite
 
 from .._errors import DataValidationError
 from .._operators import CoordinatorOperator, PartitionOperator
@@ -175,7 +176,7 @@ class _KMeansTask(PartitionOperator):
     def _data(self, ctx: Any) -> np.ndarray:
         if self.X is None:
             X = self.cache.matrix()
-            if not np.isfinite(X).all():
+            if not all_finite(X):
                 raise DataValidationError(
                     f"the features {list(self.plan.columns)} hold NaN or infinite values in "
                     f"partition {ctx.partition_id}; clean them first"

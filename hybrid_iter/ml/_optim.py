@@ -34,6 +34,8 @@ import math
 
 import numpy as np
 
+from coordinator._finite import all_finite
+
 from .._errors import IterationConfigError, UsageError
 
 __all__ = ["LBFGS"]
@@ -70,7 +72,7 @@ class LBFGS:
             l1v = np.zeros(n)
         else:
             l1v = np.broadcast_to(np.asarray(l1, dtype=np.float64), (n,)).copy()
-        if (l1v < 0).any() or not np.isfinite(l1v).all():
+        if (l1v < 0).any() or not all_finite(l1v):
             raise IterationConfigError("LBFGS(l1=...) must be finite and >= 0")
         self.l1 = l1v * self.free
         self.owlqn = bool((self.l1 > 0).any())
@@ -151,7 +153,7 @@ class LBFGS:
         g = np.asarray(g, dtype=np.float64).ravel()
         self.evaluations += 1
         if not self._started:
-            if not (math.isfinite(f) and np.isfinite(g).all()):
+            if not (math.isfinite(f) and all_finite(g)):
                 raise FloatingPointError(
                     f"the objective or its gradient is not finite at the start point ({f})"
                 )
@@ -160,7 +162,7 @@ class LBFGS:
             return
         trial = self.point
         F = self._full(float(f), trial) if math.isfinite(f) else math.inf
-        ok = math.isfinite(F) and np.isfinite(g).all()
+        ok = math.isfinite(F) and all_finite(g)
         if ok:
             if self.owlqn:
                 bound = self.objective + _C1 * float(self._pg @ (trial - self.x))

@@ -32,7 +32,7 @@ from coordinator._manifest import (
     new_save_id,
     read_manifest,
     read_verified,
-    write_atomic,
+    write_digested,
     write_manifest,
 )
 
@@ -120,7 +120,7 @@ def write_model(
     np.savez(buf, **named)
     with zipfile.ZipFile(buf, "a") as z:  # the save's id, where np.load does not look
         z.comment = (_COMMENT + save_id).encode()
-    digest = write_atomic(fs, f"{root}/{_ARRAYS}", lambda f: f.write(buf.getbuffer()))
+    digest = write_digested(fs, f"{root}/{_ARRAYS}", lambda f: f.write(buf.getbuffer()))
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from coordinator import RuntimeHooks
+from coordinator._finite import all_finite
 
 from .._errors import DataValidationError
 from .._operators import CoordinatorOperator, PartitionOperator
@@ -173,7 +174,7 @@ class _LinearTask(PartitionOperator):
                     f"label column {self.plan.label!r} holds {bad!r}; binary logistic "
                     f"regression needs labels 0 or 1"
                 )
-            if not np.isfinite(X).all():
+            if not all_finite(X):
                 raise DataValidationError(
                     f"the features {list(self.plan.columns)} hold NaN or infinite values in "
                     f"partition {ctx.partition_id}; clean them first"

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from coordinator._finite import check_finite, first_nonfinite, index_text
+from coordinator._finite import check_finite, count_nonfinite, first_nonfinite, index_text
 
 from .._errors import ConfigTypeError, IterationConfigError
 
@@ -195,7 +195,7 @@ class Layout:
         if i is None:
             return None
         key = int(keys[i]) if keys is not None else i
-        count = int(vals.size - np.count_nonzero(np.isfinite(vals)))
+        count = count_nonfinite(vals)
         return (
             f"{self.locate(key, 'grad')} is {vals[i]}"
             f"{' (a Sparse entry)' if sparse else ''}; {count} of the step's "

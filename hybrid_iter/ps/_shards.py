@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from coordinator._endpoint import EndpointAddress
+from coordinator._flight import EndpointAddress
 from coordinator._ps import ShardSpec, shard_class
 from coordinator._tables import TableSpec
 from coordinator._variables import INLINE_LIMIT

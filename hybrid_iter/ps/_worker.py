@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from coordinator._errors import NonFiniteGradient
-from coordinator._finite import first_nonfinite
+from coordinator._finite import count_nonfinite, first_nonfinite
 
 from .._errors import ConfigTypeError, DataValidationError
 from .._operators import PartitionOperator
@@ -226,7 +226,7 @@ class Worker(PartitionOperator):
                     assert keys is not None
                     dim = tables.dims[t]
                     key = int(keys.uniq[tables.group_of[t]][i // dim])
-                    count = int(g.size - np.count_nonzero(np.isfinite(g)))
+                    count = count_nonfinite(g)
                     col = f", column {i % dim}" if dim > 1 else ""
                     bad = (
                         f"grad[{tables.names[t]!r}] for key {key}{col} (row {i // dim} of "

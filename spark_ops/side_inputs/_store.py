@@ -17,7 +17,7 @@ the shards it folded (up to ``_CACHE_SHARDS``) and applies only newer deltas to 
 
 from __future__ import annotations
 
-import uuid
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -73,9 +73,9 @@ def write_delta_task(
 ) -> Callable[[Iterable[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function writing one version's rows, grouped by key group.
 
-    Input: ``__si_bucket`` then the internal layout. Each file is written under a
-    temporary name and renamed to ``part-{partition}``, so a retried task overwrites
-    its own file instead of adding a second copy.
+    Input: ``__si_bucket`` then the internal layout. Each file is written whole or not
+    at all as ``part-{partition}`` (``storage_uri.atomic_output``), so a retried task
+    overwrites its own file instead of adding a second copy.
     """
 
     def run(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -86,13 +86,15 @@ def write_delta_task(
         pid = tc.partitionId() if tc is not None else 0
         fs, base = _fs(root)
         vdir = delta_dir(base, spec.view_id, version)
-        writers: dict[int, tuple[Any, str, str]] = {}
+        writers: dict[int, Any] = {}
         rows: dict[int, int] = {}
         windows: dict[int, set[tuple[int, int]]] = {}
         seen: set[Any] = set()
         dup: tuple[Any, Any] | None = None
         knames = key_names(len(spec.key))
-        try:
+        # the files are moved into place once every batch is written (each writer is
+        # closed before its file); a failure leaves none of them
+        with contextlib.ExitStack() as files:
             for batch in batches:
                 if batch.num_rows == 0:
                     continue
@@ -113,23 +115,16 @@ def write_delta_task(
                     w = writers.get(b)
                     if w is None:
                         final = f"{vdir}/bucket={b}/part-{pid:05d}.parquet"
-                        tmp = f"{vdir}/bucket={b}/.tmp-{pid:05d}-{uuid.uuid4().hex}.parquet"
-                        fs.create_dir(f"{vdir}/bucket={b}", recursive=True)
-                        w = writers[b] = (
-                            pq.ParquetWriter(tmp, part.schema, filesystem=fs),
-                            tmp,
-                            final,
+                        sink = files.enter_context(
+                            storage_uri.atomic_output(final, fs=fs, parents=True)
                         )
-                    w[0].write_batch(part)
+                        w = writers[b] = pq.ParquetWriter(sink, part.schema)
+                        files.callback(w.close)
+                    w.write_batch(part)
                     rows[b] = rows.get(b, 0) + part.num_rows
                     if nss is not None:
                         wins = windows.setdefault(b, set())
                         wins.update(nss[i] for i in idx.to_pylist())
-        finally:
-            for writer, _tmp, _final in writers.values():
-                writer.close()
-        for _w, tmp, final in writers.values():
-            fs.move(tmp, final)
         out = {
             "bucket": list(rows),
             "rows": [rows[b] for b in rows],

@@ -16,7 +16,7 @@ import pytest
 from test_tree import PARTS, Noisy, Summer, _run, data  # noqa: F401
 
 import hybrid_iter as hi
-from coordinator._endpoint import EndpointAddress, EndpointSpec
+from coordinator._flight import EndpointAddress, EndpointSpec
 
 GROUPED = {"feedback_combine": "sum", "feedback_fan_in": 2}  # two group actors of two
 
@@ -138,7 +138,7 @@ def test_a_group_endpoint_refuses_a_wrong_token_naming_its_address(session):
     its first call, with the group's address and the fix; the right one is let in."""
     import ray
 
-    from coordinator._tree_endpoint import group_link
+    from coordinator._endpoint import group_link
 
     class TreeHost:  # stands in for a coordinator actor (defined here: shipped by value)
         async def start(self, spec):
@@ -159,8 +159,8 @@ def test_a_group_endpoint_refuses_a_wrong_token_naming_its_address(session):
         # the right token is let in, by a process that never imports Ray (a Spark task's)
         fresh = (
             "import sys\n"
-            "from coordinator._endpoint import EndpointAddress, FlightLink\n"
-            "from coordinator._tree_endpoint import group_link\n"
+            "from coordinator._endpoint import FlightLink, group_link\n"
+            "from coordinator._flight import EndpointAddress\n"
             "coordinator = EndpointAddress('grpc+tcp://127.0.0.1:1', 'right', connect_timeout=10)\n"
             f"link = group_link(coordinator, {locations[0]!r})\n"
             "assert link.server_id and isinstance(link, FlightLink)\n"

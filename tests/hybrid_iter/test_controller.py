@@ -30,13 +30,13 @@ from coordinator._errors import (
     UnpicklableOperator,
 )
 from coordinator._identity import (
-    bounded_checkpoint_spec,
     damaged_since,
     iteration_fingerprint,
     refuse_foreign_run,
     refuse_not_online,
     refuse_unresumable,
 )
+from coordinator._spec import bounded_checkpoint_spec
 from hybrid_iter._errors import StoredArraysLost
 from hybrid_iter._runtime.controller import (
     FATAL_CAUSES,

@@ -34,13 +34,8 @@ import coordinator._endpoint as endpoint
 import coordinator._shared_versions as shared_versions
 import hybrid_iter as hi
 from coordinator import CoordinatorSpec, IterationCoordinator
-from coordinator._endpoint import (
-    PROTOCOL_VERSION,
-    VERSIONS,
-    EndpointAddress,
-    EndpointSpec,
-    FlightLink,
-)
+from coordinator._endpoint import VERSIONS, FlightLink
+from coordinator._flight import PROTOCOL_VERSION, EndpointAddress, EndpointSpec, FlightServing
 from hybrid_iter._runtime.task import TaskPlan, run_subtask
 from hybrid_iter.testing import FaultInjection
 
@@ -574,15 +569,15 @@ def test_a_server_that_does_not_start_names_the_cause_it_finds_not_the_port():
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(hi.EndpointBindError, match=f"port {port} is in use there"):
-            endpoint.FlightServing(EndpointSpec(bind=f"127.0.0.1:{port}", token="t"))
+            FlightServing(EndpointSpec(bind=f"127.0.0.1:{port}", token="t"))
     with pytest.raises(hi.EndpointBindError, match="is not an address of the node"):
-        endpoint.FlightServing(EndpointSpec(bind="192.0.2.1:0", token="t"))  # TEST-NET-1
+        FlightServing(EndpointSpec(bind="192.0.2.1:0", token="t"))  # TEST-NET-1
     with pytest.raises(hi.EndpointBindError, match="does not resolve") as info:
-        endpoint.FlightServing(EndpointSpec(bind="no-such-host.invalid:0", token="t"))
+        FlightServing(EndpointSpec(bind="no-such-host.invalid:0", token="t"))
     # bytes gRPC refuses as a certificate (the driver checks the files first)
     garbage = EndpointSpec(bind="127.0.0.1:0", token="t", tls_cert=b"x", tls_key=b"y")
     with pytest.raises(hi.EndpointBindError) as info:
-        endpoint.FlightServing(garbage)
+        FlightServing(garbage)
     text = str(info.value)
     assert "the cause is not the port" in text and "TLS certificate or key" in text
     assert "free port" not in text and info.value.__cause__ is not None

@@ -5,10 +5,10 @@ files it rejects (``_bad_files/batch_id=<id>.json``: path, reason, batch id)."""
 from __future__ import annotations
 
 import json
-import uuid
 
 import pyarrow as pa
 
+import storage_uri
 from coordinator import BadFile
 
 from .storage import filesystem
@@ -37,13 +37,9 @@ def write_dead_letters(path: str, batch_id: int, pid: int, batches: list[pa.Reco
     import pyarrow.parquet as pq
 
     fs, base = filesystem(path)
-    directory = f"{base.rstrip('/')}/batch_id={batch_id}"
-    fs.create_dir(directory, recursive=True)
-    final = f"{directory}/part-{pid:05d}.parquet"
-    tmp = f"{directory}/.part-{pid:05d}.tmp-{uuid.uuid4().hex}"
-    with fs.open_output_stream(tmp) as f:
+    final = f"{base.rstrip('/')}/batch_id={batch_id}/part-{pid:05d}.parquet"
+    with storage_uri.atomic_output(final, fs=fs, parents=True) as f:
         pq.write_table(pa.Table.from_batches(batches), f, write_page_checksum=True)
-    fs.move(tmp, final)
 
 
 def write_bad_files(path: str, batch_id: int, files: list[BadFile]) -> str:
@@ -51,16 +47,12 @@ def write_bad_files(path: str, batch_id: int, files: list[BadFile]) -> str:
     ``<dead_letter>/_bad_files/`` (the leading underscore keeps them out of readers of the
     malformed-row Parquet dataset beside them; a replay rewrites the file)."""
     fs, base = filesystem(path)
-    directory = f"{base.rstrip('/')}/_bad_files"
-    fs.create_dir(directory, recursive=True)
-    final = f"{directory}/batch_id={batch_id}.json"
-    tmp = f"{directory}/.batch_id={batch_id}.tmp-{uuid.uuid4().hex}"
-    with fs.open_output_stream(tmp) as f:
+    final = f"{base.rstrip('/')}/_bad_files/batch_id={batch_id}.json"
+    with storage_uri.atomic_output(final, fs=fs, parents=True) as f:
         f.write(
             "".join(
                 json.dumps({"path": b.path, "reason": b.reason, "batch_id": batch_id}) + "\n"
                 for b in files
             ).encode()
         )
-    fs.move(tmp, final)
     return final

@@ -32,7 +32,7 @@ from coordinator import (
     OutputRecord,
     PartitionTally,
 )
-from coordinator._identity import online_checkpoint_spec
+from coordinator._spec import online_checkpoint_spec
 from spark_ops import require_spark_filesystem
 
 from ..._body import IterationBody

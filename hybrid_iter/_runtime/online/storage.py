@@ -4,7 +4,6 @@ user's (Spark's spellings: ``s3a://`` is S3) or one Spark listed (``file:/x``)."
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 import storage_uri
@@ -24,7 +23,6 @@ def write_outputs(path: str, batch_id: int, records: list[OutputRecord]) -> None
     """Batch ``batch_id``'s output records as JSON lines under ``path`` (one file per
     batch, written atomically; a replayed batch rewrites the same file)."""
     fs, base = filesystem(path)
-    fs.create_dir(base, recursive=True)
     lines = "".join(
         json.dumps(
             {
@@ -38,8 +36,5 @@ def write_outputs(path: str, batch_id: int, records: list[OutputRecord]) -> None
         + "\n"
         for r in records
     )
-    final = f"{base}/batch-{batch_id:012d}.json"
-    tmp = f"{base}/.batch-{batch_id:012d}.tmp-{uuid.uuid4().hex}"
-    with fs.open_output_stream(tmp) as f:
+    with storage_uri.atomic_output(f"{base}/batch-{batch_id:012d}.json", fs=fs, parents=True) as f:
         f.write(lines.encode())
-    fs.move(tmp, final)  # a replayed batch rewrites the same file

@@ -31,8 +31,8 @@ from test_ps_sparse_recovery import PauseOnce, _init, _killer, fm_grad
 from test_ps_sparse_recovery import data as fm_data  # noqa: F401  (a fixture)
 
 import hybrid_iter as hi
-from coordinator._endpoint import EndpointAddress, EndpointSpec
 from coordinator._errors import StaleShardCall
+from coordinator._flight import EndpointAddress, EndpointSpec
 from coordinator._ps import ServedParameterShard, ShardSpec
 from coordinator._ps_endpoint import ShardClient, pack, unpack
 from hybrid_iter import ps
