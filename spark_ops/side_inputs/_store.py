@@ -118,7 +118,9 @@ def write_delta_task(
                         sink = files.enter_context(
                             storage_uri.atomic_output(final, fs=fs, parents=True)
                         )
-                        w = writers[b] = pq.ParquetWriter(sink, part.schema)
+                        w = writers[b] = pq.ParquetWriter(
+                            sink, part.schema, write_page_checksum=True
+                        )
                         files.callback(w.close)
                     w.write_batch(part)
                     rows[b] = rows.get(b, 0) + part.num_rows
@@ -156,7 +158,9 @@ def _read_bucket(fs: Any, vdir: str, bucket: int) -> Iterator[pa.RecordBatch]:
     for info in sorted(fs.get_file_info(sel), key=lambda i: i.path):
         name = info.path.rsplit("/", 1)[-1]
         if info.type == pafs.FileType.File and name.startswith("part-"):
-            yield from pq.read_table(info.path, filesystem=fs).to_batches()
+            yield from pq.read_table(
+                info.path, filesystem=fs, page_checksum_verification=True
+            ).to_batches()
 
 
 def load_shard(src: KeyedSource, bucket: int) -> dict[Any, Any]:
