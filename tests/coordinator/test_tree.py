@@ -470,9 +470,12 @@ def test_a_root_aggregator_killed_from_outside_fails_the_run_naming_it(data, tmp
 
 def test_aggregator_actors_are_placed_where_their_coordinator_was(session):
     """The coordinator tier's placement rule (the head node, or the configured resources:
-    ``hybrid_iter/_cluster/placement.py``) reaches the aggregators: they ask for the
-    custom resources the coordinator actor holds, so they go where it went."""
+    ``hybrid_iter/_cluster/placement.py``) reaches the aggregators: the coordinator hands
+    its placement (``CoordinatorSpec.placement``) to its tree, whose aggregators ask for
+    the same resources, so they go where it went."""
     import ray
+
+    where = {"node:127.0.0.1": 0.001}
 
     class TreeHost:  # stands in for a coordinator actor (defined here: shipped by value)
         def start(self):
@@ -480,10 +483,10 @@ def test_aggregator_actors_are_placed_where_their_coordinator_was(session):
 
             from coordinator._tree import CoordinatorTree, TreeSpec
 
-            self.tree = CoordinatorTree(TreeSpec(cloudpickle.dumps("sum"), fan_in=2), 4)
+            spec = TreeSpec(cloudpickle.dumps("sum"), fan_in=2)
+            self.tree = CoordinatorTree(spec, 4, placement=where)
             return [self.tree.root, *self.tree.groups]
 
-    where = {"node:127.0.0.1": 0.001}
     host = ray.remote(num_cpus=0, resources=where)(TreeHost).remote()
     try:
         actors = ray.get(host.start.remote(), timeout=120)
