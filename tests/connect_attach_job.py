@@ -218,8 +218,10 @@ def _run(server: _Server, tmp: Path) -> dict:
         except Exception:
             # Ray waits a fixed 30 s for its raylet to register, which a loaded 2-core
             # machine (this job's JVMs start beside it) can exceed: once more, as
-            # Session.local does
-            ray.shutdown()
+            # Session.local does (ending what the failed start left)
+            from hybrid_iter._cluster.processes import end_ray_processes_of_a_failed_start
+
+            end_ray_processes_of_a_failed_start(ray.shutdown)
             if attempt == 2:
                 raise
     import connect_ops as cops
