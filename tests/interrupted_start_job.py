@@ -15,6 +15,7 @@ again: the interpreter exits as it does on an uncaught KeyboardInterrupt.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import threading
 import time
@@ -42,6 +43,10 @@ def _says_when_waiting(main: int, marks: Path) -> None:
 
 
 def main(marks: str) -> int:
+    # a user's terminal interrupts a process whose SIGINT handler is Python's; a process
+    # started from a background job of a non-interactive shell (CI) inherits SIGINT
+    # ignored, and then Python installs no handler and the signal never arrives
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import hybrid_iter as hi
 
     watcher = threading.Thread(

@@ -78,10 +78,11 @@ def publish(ctx: ClusterContext) -> None:
 
 
 def withdraw(ctx: ClusterContext) -> None:
-    """``ctx`` is no more (its session stopped); idempotent."""
+    """``ctx`` is no more (its session stopped); idempotent. By identity: a nested
+    session over the same Spark and Ray has an equal context, and withdrawing that one
+    must leave the outer session's published."""
     with _lock:
-        if ctx in _published:
-            _published.remove(ctx)
+        _published[:] = [c for c in _published if c is not ctx]
 
 
 def current() -> ClusterContext | None:

@@ -84,7 +84,7 @@ def check_entry(
     for i, frame in enumerate(data_streams.dataframes):
         refuse_stopped_session(frame, f"data stream {i}")
     variables = check_init_variables(init_variables)
-    runs_coming()
+    runs_coming(data_streams.dataframes[0].sparkSession)
     return variables, data_streams
 
 

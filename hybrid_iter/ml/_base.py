@@ -265,7 +265,7 @@ def run_with_array_cache(
     # the array cache is a Ray actor the subtasks write to and read from; a Spark
     # Connect server's tasks have no Ray (they reach the coordinator by its endpoint
     # only), so a fit there decodes from Spark every time and keeps nothing
-    runs_coming()  # the array store may start before the iteration's entry says so
+    runs_coming(df.sparkSession)  # the array store may start before the iteration's entry says so
     reuse = not is_connect(df.sparkSession)
     while True:
         # asked anew each time: a DataFrame's plan is fixed when first used. The view

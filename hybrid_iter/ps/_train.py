@@ -545,7 +545,7 @@ def train(
     n = parallelism or available_task_slots(df.sparkSession)
     if n < 1:
         raise IterationConfigError("Spark has no task slots; start executors or a Session")
-    runs_coming()  # the shards start before the iteration's own entry says so
+    runs_coming(df.sparkSession)  # the shards start before the iteration's own entry says so
     address = cluster.ray_address(df.sparkSession)
     connect(address, namespace=NAMESPACE)
     if num_shards is None and tables:

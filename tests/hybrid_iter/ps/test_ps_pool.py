@@ -137,7 +137,7 @@ def _drain(kind: Any) -> list[str]:
 
     drained = []
     while spares.spares(kind):
-        got = placement.take_spare(kind, "__ray_ready__")  # taken as it is: not configured
+        got = spares.take_spare(kind, "__ray_ready__")  # taken as it is: not configured
         if got is not None:
             handle, name = got
             placement.kill(handle, f"the drained spare {name}")

@@ -8,6 +8,7 @@ KeyboardInterrupt (``interrupted_start_job.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -116,7 +117,11 @@ def test_sigint_while_the_start_waits_for_spark_ends_it_and_exits_as_a_keyboard_
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the interrupted start did not end:\n{err_path.read_text()[-4000:]}")
+            # -X faulthandler: SIGABRT writes every thread's stack, where the start hangs
+            proc.send_signal(signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+            pytest.fail(f"the interrupted start did not end:\n{err_path.read_text()[-8000:]}")
         err = err_path.read_text()
         # the interpreter's own exit on an uncaught KeyboardInterrupt: killed by SIGINT
         assert proc.returncode in (-signal.SIGINT, 128 + signal.SIGINT), err[-4000:]
@@ -131,7 +136,8 @@ def test_sigint_while_the_start_waits_for_spark_ends_it_and_exits_as_a_keyboard_
         assert _in_session(proc.pid) == {}
     finally:
         for pid in _in_session(proc.pid):  # the child's session: ours for sure
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it may end meanwhile
+                os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()
             proc.wait()

@@ -42,6 +42,11 @@ def test_attach_and_a_nested_local_session_leave_spark_and_ray_running(session):
     assert ray.is_initialized()
     assert session.spark.range(3).count() == 3
     assert hi.Session.current() is session
+    # what runs read: the suite session's own context again (the nested ones were equal
+    # to it), so its runs announce themselves to it
+    from hybrid_iter._cluster import context
+
+    assert context.current() is session.context
 
 
 def test_default_parallelism_is_every_task_slot(spark):
