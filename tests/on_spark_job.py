@@ -607,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         joined = {
             "kind": inner.kind,
             "ray_address": inner.ray_address,
-            "started": inner._on_spark.started,
+            "started": inner._stops.started,
             "task_slots": available_task_slots(spark),
         }
         inner.stop()
@@ -620,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         report["listening"] = listening()
         report["wrong_token"] = wrong_token_probe(session.ray_address)
         started_ray = ray_processes()
-        launcher = session._on_spark.launcher_dir
+        launcher = session._stops.launcher_dir
         t_stop = time.perf_counter()
 
     # -- 3. after the stop -------------------------------------------------------------
