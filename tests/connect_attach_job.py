@@ -206,24 +206,15 @@ def _run(server: _Server, tmp: Path) -> dict:
     _check(report, "lines", lambda: lines(remote, server))  # before this process has Ray
     import ray
 
-    for attempt in (1, 2):
-        try:
-            ray.init(
-                _node_ip_address="127.0.0.1",
-                include_dashboard=False,
-                num_cpus=2,
-                namespace="connect",
-            )
-            break
-        except Exception:
-            # Ray waits a fixed 30 s for its raylet to register, which a loaded 2-core
-            # machine (this job's JVMs start beside it) can exceed: once more, as
-            # Session.local does (ending what the failed start left)
-            from hybrid_iter._cluster.processes import end_ray_processes_of_a_failed_start
+    from hybrid_iter._cluster.processes import start_own_ray
 
-            end_ray_processes_of_a_failed_start(ray.shutdown)
-            if attempt == 2:
-                raise
+    # a loaded 2-core machine (this job's JVMs start beside it) can exceed Ray's fixed
+    # raylet wait: once more, as the sessions do
+    start_own_ray(
+        lambda: ray.init(
+            _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, namespace="connect"
+        )
+    )
     import connect_ops as cops
     from checkpoint_job import ROWS, Step
     from ops import GradientDescent, Recorder, RecordingCoordinator

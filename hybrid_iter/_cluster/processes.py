@@ -20,6 +20,7 @@ __all__ = [
     "end_ray_processes_of_a_failed_start",
     "end_spark_jvm_launch",
     "prepare_process_env",
+    "start_own_ray",
 ]
 
 
@@ -111,6 +112,36 @@ def end_spark_jvm_launch() -> None:
     for pid in (launched | _below(parent, launched)) - zombies:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def start_own_ray(
+    start: Callable[[], None],
+    *,
+    once_more: bool = True,
+    before_retry: Callable[[], None] | None = None,
+) -> None:
+    """``start`` (a ``ray.init`` of an instance of this process's own); when it fails,
+    what it started is ended (``end_ray_processes_of_a_failed_start``) and, with
+    ``once_more``, it is tried once more after ``before_retry``. Ray waits a fixed 30 s
+    for its raylet to register, which a loaded machine can exceed, and says so only in
+    its message: any failure is tried once more (a setting Ray refuses fails again at
+    once). What the last try raised is raised, with its processes ended too."""
+    import ray
+
+    try:
+        start()
+        return
+    except Exception:
+        end_ray_processes_of_a_failed_start(ray.shutdown)
+        if not once_more:
+            raise
+    if before_retry is not None:
+        before_retry()
+    try:
+        start()
+    except Exception:
+        end_ray_processes_of_a_failed_start(ray.shutdown)
+        raise
 
 
 def end_ray_processes_of_a_failed_start(

@@ -17,6 +17,7 @@ from .._cluster.processes import (
     end_ray_processes_of_a_failed_start,
     end_spark_jvm_launch,
     prepare_process_env,
+    start_own_ray,
 )
 from .._cluster.ray_util import NAMESPACE, force_loopback
 from .._cluster.warm_up import short
@@ -214,23 +215,15 @@ def local(
                     log_to_driver=True,
                 )
 
+            def alone() -> None:
+                # the JVM starting beside Ray can take the raylet's fixed wait on a loaded
+                # machine: once more, alone, after Spark has started
+                spark_start.wait()
+                log.warning("Ray did not start beside Spark; once more, alone")
+
             try:
-                try:
-                    start_ray()
-                except Exception as ex:
-                    end_ray_processes_of_a_failed_start(ray.shutdown)
-                    if not owns_spark:
-                        raise
-                    # Ray waits a fixed 30 s for its raylet to register; on a loaded
-                    # machine the JVM starting beside it can take them. Ray says so only
-                    # in its message, so any failure of a start beside Spark's is tried
-                    # once more, alone, after Spark has started (a setting Ray refuses
-                    # fails again at once, and is reported then)
-                    spark_start.wait()
-                    log.warning("Ray did not start beside Spark (%s); once more, alone", short(ex))
-                    start_ray()
+                start_own_ray(start_ray, once_more=owns_spark, before_retry=alone)
             except Exception as ex:
-                end_ray_processes_of_a_failed_start(ray.shutdown)
                 beside = "was stopped" if owns_spark else "is left running"
                 raise SessionError(
                     f"Session.local: Ray did not start on 127.0.0.1: {short(ex)} "

@@ -12,7 +12,7 @@ from spark_ops import _spark_compat
 
 from .._cluster.placement import check_resources
 from .._cluster.placement import coordinator_resources as placed
-from .._cluster.processes import prepare_process_env
+from .._cluster.processes import prepare_process_env, start_own_ray
 from .._cluster.ray_join import (
     DEFAULT_CONNECT_TIMEOUT,
     check_offered,
@@ -23,6 +23,7 @@ from .._cluster.ray_join import (
 )
 from .._cluster.ray_util import NAMESPACE, force_loopback, is_loopback_address
 from .._cluster.slots import wait_for_task_slots
+from .._cluster.warm_up import short
 from .._errors import SessionError
 from .checks import (
     blas_threads,
@@ -115,14 +116,23 @@ def raydp(
     if owns_ray:
         if gcs_target is None:
             force_loopback()
-            ray.init(
-                address="local",  # our own instance, even if a `ray start` cluster runs
-                num_cpus=max(os.cpu_count() or 1, num_executors * executor_cores),
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                namespace=NAMESPACE,
-                logging_level=logging.WARNING,
-            )
+
+            def start_ray() -> None:
+                ray.init(
+                    address="local",  # our own instance, even if a `ray start` cluster runs
+                    num_cpus=max(os.cpu_count() or 1, num_executors * executor_cores),
+                    include_dashboard=False,
+                    _node_ip_address="127.0.0.1",
+                    namespace=NAMESPACE,
+                    logging_level=logging.WARNING,
+                )
+
+            try:
+                start_own_ray(start_ray)  # a loaded machine: once more
+            except Exception as ex:
+                raise SessionError(
+                    f"Session.raydp: Ray did not start on 127.0.0.1: {short(ex)}"
+                ) from ex
         else:
             join_ray(gcs_target, connect_timeout)
     if coordinator_resources:

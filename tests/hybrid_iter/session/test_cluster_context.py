@@ -13,8 +13,12 @@ def test_a_nested_session_that_stops_leaves_the_outer_sessions_context_current(m
     monkeypatch.setattr(context, "_published", [])
     spark = object()
     heard: list[str] = []
-    outer = context.ClusterContext(spark, "127.0.0.1:1", "local", run_coming=lambda: heard.append("outer"))
-    inner = context.ClusterContext(spark, "127.0.0.1:1", "local", run_coming=lambda: heard.append("inner"))
+    outer = context.ClusterContext(
+        spark, "127.0.0.1:1", "local", run_coming=lambda: heard.append("outer")
+    )
+    inner = context.ClusterContext(
+        spark, "127.0.0.1:1", "local", run_coming=lambda: heard.append("inner")
+    )
     assert outer == inner  # the case that matters: equal, not the same
     context.publish(outer)
     context.publish(inner)
