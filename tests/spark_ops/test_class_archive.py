@@ -3,7 +3,7 @@ session made one in the background (its cache directory is the suite's own, set 
 conftest.py), a later driver maps it and answers the same, and a file that could crash
 a JVM that mapped it (cut short, its bytes changed, someone else's, writable by others,
 a link, under a folder others can change) or a user's own CDS options are never
-combined with it. A damaged archive never stops a session: three sessions in a row, in
+combined with it. A damaged archive never stops a session: two sessions in a row, in
 processes of their own (``class_archive_job.py``), start with it damaged, the first
 setting it aside with a warning naming it."""
 
@@ -217,7 +217,7 @@ def _damage(made: Path, jvm: Path, how: str) -> Path:
 
 
 #: the suite's archive may still be in the making (minutes on a loaded machine), then
-#: three sessions start, each in a process of its own
+#: sessions start, each in a process of its own
 SESSIONS_TIMEOUT = 1800
 
 
@@ -225,7 +225,7 @@ SESSIONS_TIMEOUT = 1800
 @pytest.mark.parametrize(
     "how", ["bytes flipped", "cut short, renamed to its size", "cut short, its name matching"]
 )
-def test_a_damaged_archive_is_set_aside_and_three_sessions_in_a_row_start(
+def test_a_damaged_archive_is_set_aside_and_the_sessions_after_it_start(
     made_archive, tmp_path, how
 ):
     cache = tmp_path / "cache"
@@ -234,7 +234,9 @@ def test_a_damaged_archive_is_set_aside_and_three_sessions_in_a_row_start(
     cache.chmod(0o700)
     damaged = _damage(made_archive, jvm, how)
     env = {"HYBRID_ITER_CACHE_DIR": str(cache)}
-    for i in range(3):
+    # the first session sets the file aside and says so; the next starts as if it never
+    # was (a third would repeat the second: no warm-up makes a new archive here)
+    for i in range(2):
         # in tmp_path: where a JVM that crashed writes its hs_err_pid file
         got = run_job("class_archive_job", "local", timeout=600, extra_env=env, cwd=tmp_path)
         assert got["count"] == 100  # the session works
