@@ -212,7 +212,11 @@ def _run(server: _Server, tmp: Path) -> dict:
     # raylet wait: once more, as the sessions do
     start_own_ray(
         lambda: ray.init(
-            _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, namespace="connect"
+            address="local",  # its own, never a `ray start` cluster of another run here
+            _node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            num_cpus=2,
+            namespace="connect",
         )
     )
     import connect_ops as cops
