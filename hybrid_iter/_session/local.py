@@ -81,6 +81,9 @@ class SparkStart:
         #: marks the thread ended while it runs on, so a later join returns at once and
         #: the interpreter exits under the running start (spark-submit left behind).
         self._done = threading.Event()
+        #: set by ``abandon``: the launch it ends must not be taken for a JVM that the
+        #: archive crashed (and launched again, never to end)
+        self._abandoned = threading.Event()
 
     def begin(self) -> None:
         self._thread = threading.Thread(
@@ -112,7 +115,7 @@ class SparkStart:
         try:
             return build()
         except Exception as ex:
-            if not _class_archive.gateway_exited(ex):
+            if self._abandoned.is_set() or not _class_archive.gateway_exited(ex):
                 raise
             # the JVM launched with the archive died before its gateway port (the file
             # changed after its check, a JVM bug): once more without it, and the archive
@@ -121,6 +124,8 @@ class SparkStart:
                 del self.conf["spark.driver.extraJavaOptions"]
             else:
                 self.conf["spark.driver.extraJavaOptions"] = self._own_options
+            if self._abandoned.is_set():
+                raise
             spark = build()
             self.notes.append(_class_archive.crashed(archive, since))
             self.archive_key = _class_archive.archive_key(self.conf)
@@ -153,6 +158,7 @@ class SparkStart:
         start launched it): a session that failed leaves no Spark behind."""
         if self._thread is None or self._thread.ident is None:  # never started
             return
+        self._abandoned.set()
         if self.launched_jvm and not self._done.is_set():
             end_spark_jvm_launch()  # the start then ends now, not after the JVM's start
         self._done.wait()
