@@ -292,3 +292,30 @@ def _compat_check_goes_last(config, items):
     run["whole_suite"] = set(files) <= collected and not (
         config.getoption("-k") or config.getoption("-m") not in ("", "not slow")
     )
+
+
+# -- where the suite's time went -----------------------------------------------------------
+
+_module_seconds: dict[str, float] = {}
+_module_tests: dict[str, set[str]] = {}
+
+
+def pytest_runtest_logreport(report):
+    module = report.nodeid.split("::")[0]
+    _module_seconds[module] = _module_seconds.get(module, 0.0) + report.duration
+    _module_tests.setdefault(module, set()).add(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The test modules that took most of the run (set-up, call and tear-down of their
+    tests, module fixtures included): where a minute of the suite goes, on every run."""
+    if not _module_seconds:
+        return
+    total = sum(_module_seconds.values())
+    top = sorted(_module_seconds.items(), key=lambda kv: -kv[1])[:25]
+    terminalreporter.write_sep("=", f"slowest modules ({total:.0f} s in tests)")
+    for module, seconds in top:
+        terminalreporter.write_line(
+            f"{seconds:8.1f} s {100 * seconds / total:5.1f} % "
+            f"{len(_module_tests[module]):4d} tests  {module}"
+        )
