@@ -1,0 +1,35 @@
+"""benchmarks/bench_before_after.py reads a benchmark's JSON the same way whatever the
+benchmark: every number under a key naming a median is a figure, by its path, and no
+other number is (a run's raw samples, its parameters and the machine are not figures)."""
+
+from __future__ import annotations
+
+import sys
+
+from paths import BENCHMARKS
+
+if str(BENCHMARKS) not in sys.path:
+    sys.path.append(str(BENCHMARKS))
+
+from bench_before_after import medians
+
+
+def test_every_number_under_a_median_key_is_a_figure_named_by_its_path():
+    report = {
+        "params": {"repeats": 3, "size": 1000},
+        "runs_seconds": {"ray": [0.5, 0.6]},
+        "median_seconds": {"ray": {"ps_step": 0.012, "empty": 0.004}, "endpoint": 0.02},
+        "entry": {"runs_s": [1.0, 2.0], "median": 1.5},
+        "machine": {"cpus": 2, "load_1min_at_end": 1.2},
+        "flag_median": True,
+    }
+    assert medians(report) == {
+        "median_seconds.ray.ps_step": 0.012,
+        "median_seconds.ray.empty": 0.004,
+        "median_seconds.endpoint": 0.02,
+        "entry.median": 1.5,
+    }
+
+
+def test_a_report_without_medians_has_no_figures():
+    assert medians({"runs": [1.0, 2.0], "n": 3}) == {}
