@@ -31,6 +31,10 @@ __all__ = ["SparkStart", "local"]
 
 log = logging.getLogger("hybrid_iter")
 
+#: Spark's Python worker daemon for the session (``hybrid_iter/_runtime/worker_daemon.py``):
+#: named, not imported, since ``python -m`` must be the first to import it in the daemon
+WORKER_DAEMON = "hybrid_iter._runtime.worker_daemon"
+
 
 class SparkStart:
     """``Session.local``'s Spark, started in a thread of its own while Ray starts."""
@@ -54,6 +58,9 @@ class SparkStart:
             "spark.ui.showConsoleProgress": "false",
             "spark.sql.shuffle.partitions": str(parallelism),
             "spark.default.parallelism": str(parallelism),
+            # each Python worker forked with our task's modules imported (2 CPU-s less
+            # per worker; the daemon is PySpark's own otherwise)
+            "spark.python.daemon.module": WORKER_DAEMON,
             **worker_env(blas_threads(cores, parallelism)),
             **dict(spark_conf or {}),
         }

@@ -1,0 +1,64 @@
+"""Spark's Python worker daemon with what a task of ours imports already imported.
+
+PySpark starts one daemon per executor (``python -m pyspark.daemon``) and forks a worker
+from it for each Python task slot; each worker then imports what its task needs. A
+subtask of ours needs numpy, pyarrow, pandas, Ray and our runtime: about 2 CPU-seconds
+of imports in every worker, paid again whenever Spark ends an idle worker and forks a
+new one (after a minute without tasks). ``Session.local`` names this module as the
+daemon (``spark.python.daemon.module``), so the daemon imports them once and every
+worker forked from it starts with them.
+
+Only imports happen before the fork: nothing here starts a Python thread, connects to
+Ray or opens a file. The native threads two of these libraries start on import are
+fork-safe by their own design (OpenBLAS's pool and jemalloc's background thread have
+fork handlers; in the child the pool restarts, the background thread stays off).
+A module that fails to import is left to the worker, which fails on it as it would
+without this daemon. The daemon itself is PySpark's: ``pyspark.daemon.manager()``,
+with the worker module Spark passes in ``sys.argv``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+#: imported by the daemon before it forks: PySpark's worker, then what a subtask of ours
+#: imports (``hybrid_iter._cluster.warm_up.WORKER_MODULES`` imports them in a worker
+#: that runs on a daemon that is not this one)
+PRELOAD = (
+    "pyspark.worker",
+    "numpy",
+    "pyarrow",
+    "pandas",
+    "ray",
+    "hybrid_iter",
+    "hybrid_iter._runtime.task",
+    "hybrid_iter.ml",
+)
+
+
+def preload(modules: tuple[str, ...] = PRELOAD) -> list[str]:
+    """Import ``modules``; the names of those that failed (each left to the worker)."""
+    failed = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # the worker imports it itself, and fails on it there
+            failed.append(name)
+    return failed
+
+
+def main() -> None:
+    preload()
+    # Python 3.12+ warns on a fork of a process with threads (the native ones above):
+    # under PYTHONWARNINGS=error that warning would fail every fork, so every task
+    warnings.filterwarnings(
+        "ignore", message=r"This process \(pid=\d+\) is multi-threaded", category=DeprecationWarning
+    )
+    from pyspark import daemon
+
+    daemon.manager()
+
+
+if __name__ == "__main__":
+    main()
