@@ -38,13 +38,29 @@ sys.path.insert(0, str(HERE))
 from _harness import ratio, write_report  # noqa: E402
 
 
-def medians(node: Any, path: str = "", inside: bool = False) -> dict[str, float]:
-    """Every number under a key that names a median, by its path (``a.b.c``)."""
+def medians(
+    node: Any, path: str = "", inside: bool = False, keys: tuple[str, ...] = ("median",)
+) -> dict[str, float]:
+    """Every number under a key that names a median, by its path (``a.b.c``); ``keys``:
+    the words such a key contains (a benchmark that reports its medians under keys of
+    its own, ``steady_s_per_epoch``, is read with ``--figures-under s_per_epoch``). A
+    list of records is read record by record, each named by its whole-number and text
+    fields (``results[size=1000,shards=1].round_trip_s``); a list of numbers is a run's
+    samples, not a figure."""
     found: dict[str, float] = {}
     if isinstance(node, dict):
         for key, value in node.items():
             where = f"{path}.{key}" if path else str(key)
-            found.update(medians(value, where, inside or "median" in str(key)))
+            found.update(medians(value, where, inside or any(k in str(key) for k in keys), keys))
+    elif isinstance(node, list):  # records (one per size, per shard count...)
+        for i, item in enumerate(node):
+            if isinstance(item, dict):  # named by their whole-number and text fields
+                ids = [
+                    f"{k}={v}"
+                    for k, v in item.items()
+                    if isinstance(v, (int, str)) and not isinstance(v, bool)
+                ]
+                found.update(medians(item, f"{path}[{','.join(ids) or i}]", inside, keys))
     elif inside and isinstance(node, (int, float)) and not isinstance(node, bool):
         found[path] = float(node)
     return found
@@ -58,7 +74,9 @@ def worktree(repo: Path, commit: str, into: Path) -> Path:
     return into
 
 
-def run_bench(tree: Path, bench: str, out: Path, timeout: float) -> dict[str, float]:
+def run_bench(
+    tree: Path, bench: str, out: Path, timeout: float, keys: tuple[str, ...]
+) -> dict[str, float]:
     script, *args = shlex.split(bench)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH", "")) if p)
@@ -70,7 +88,7 @@ def run_bench(tree: Path, bench: str, out: Path, timeout: float) -> dict[str, fl
             f"{' '.join(cmd)} (in {tree}) exited {done.returncode} after "
             f"{time.monotonic() - started:.0f} s:\n{done.stderr[-4000:]}"
         )
-    return medians(json.loads(out.read_text()))
+    return medians(json.loads(out.read_text()), keys=keys)
 
 
 def main() -> int:
@@ -79,12 +97,19 @@ def main() -> int:
     ap.add_argument("--after", default=None, help="a commit (default: this work tree)")
     ap.add_argument("--bench", action="append", required=True, help="a script and its arguments")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--figures-under",
+        action="append",
+        default=None,
+        help="a word of the keys whose numbers are figures (default: median; repeatable)",
+    )
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per benchmark run")
     ap.add_argument("--out", default=str(HERE / "results" / "before_after.json"))
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
 
+    keys = tuple(args.figures_under or ["median"])
     repo = HERE.parent
     work = Path(tempfile.mkdtemp(prefix="before_after_"))
     made: list[Path] = []
@@ -102,7 +127,9 @@ def main() -> int:
             order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
             for bench in args.bench:
                 for side in order:
-                    figures = run_bench(trees[side], bench, work / f"{side}-{r}.json", args.timeout)
+                    figures = run_bench(
+                        trees[side], bench, work / f"{side}-{r}.json", args.timeout, keys
+                    )
                     per = got.setdefault(bench, {}).setdefault(side, {})
                     for name, value in figures.items():
                         per.setdefault(name, []).append(value)

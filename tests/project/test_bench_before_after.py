@@ -33,3 +33,23 @@ def test_every_number_under_a_median_key_is_a_figure_named_by_its_path():
 
 def test_a_report_without_medians_has_no_figures():
     assert medians({"runs": [1.0, 2.0], "n": 3}) == {}
+
+
+def test_a_benchmark_naming_its_medians_otherwise_is_read_with_its_own_word():
+    report = {"steady_s_per_epoch": {"sync": 0.04, "mllib": None}, "runs": {"sync": [0.04]}}
+    assert medians(report) == {}
+    assert medians(report, keys=("median", "s_per_epoch")) == {"steady_s_per_epoch.sync": 0.04}
+
+
+def test_records_in_a_list_are_named_by_their_whole_number_and_text_fields():
+    report = {
+        "results": [
+            {"size": 1000, "shards": 1, "round_trip_s": 0.005, "samples": [0.004, 0.006]},
+            {"size": 1000, "shards": 2, "round_trip_s": 0.007, "ok": True},
+        ],
+        "runs": [0.5, 0.6],
+    }
+    assert medians(report, keys=("round_trip_s",)) == {
+        "results[size=1000,shards=1].round_trip_s": 0.005,
+        "results[size=1000,shards=2].round_trip_s": 0.007,
+    }
