@@ -14,27 +14,26 @@ from hybrid_iter._session.local import WORKER_DAEMON
 LIBRARIES = ("_multiarray_umath", "libarrow.so", "_raylet.so")
 
 
-def _the_workers_daemon(
-    _: object, daemon: str = worker_daemon.__name__, libraries: tuple[str, ...] = LIBRARIES
-) -> list[tuple[bool, ...]]:
-    # stdlib only: the function is pickled by value, and a module it named would be
-    # imported in the worker as it is unpickled, whatever the daemon had done
-    import os
-
-    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-        parent = f.read().decode().split("\0")
-    with open(f"/proc/{os.getppid()}/maps") as f:
-        mapped = f.read()
-    return [(daemon in parent, *(lib in mapped for lib in libraries))]
-
-
 def test_the_sessions_workers_fork_from_a_daemon_that_imported_the_tasks_modules(spark):
     # the suite's warm-up imported them in its workers too: what shows the daemon's
     # work is what the worker's parent, the daemon, has loaded
     assert WORKER_DAEMON == worker_daemon.__name__
     sc = spark.sparkContext
     assert sc.getConf().get("spark.python.daemon.module") == WORKER_DAEMON
-    got = sc.parallelize(range(4), 4).mapPartitions(_the_workers_daemon).collect()
+    daemon, libraries = WORKER_DAEMON, LIBRARIES
+
+    def the_workers_daemon(_: object) -> list[tuple[bool, ...]]:
+        # nested, so pickled by value; it names only the stdlib, since a module it named
+        # would be imported in the worker as it is unpickled, whatever the daemon did
+        import os
+
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            parent = f.read().decode().split("\0")
+        with open(f"/proc/{os.getppid()}/maps") as f:
+            mapped = f.read()
+        return [(daemon in parent, *(lib in mapped for lib in libraries))]
+
+    got = sc.parallelize(range(4), 4).mapPartitions(the_workers_daemon).collect()
     assert got == [(True,) * (1 + len(LIBRARIES))] * 4
 
 
