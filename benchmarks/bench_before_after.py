@@ -16,7 +16,9 @@ A benchmark reports what it measured in its JSON (``--out``): every number under
 that names a median (``median``, ``median_seconds``, ``median_s``...) is a figure here,
 named by its path. The report gives each figure's median over the rounds for each side
 and the ratio after / before (under 1: after is faster, for a time), and writes
-``results/before_after.json``.
+``results/before_after.json``: after every run, so that a run that fails (its command,
+exit code and stderr are in ``failed``; the comparison ends there, exit 1) or a stop
+loses nothing measured before it (``complete``, ``rounds_done``).
 """
 
 from __future__ import annotations
@@ -74,6 +76,32 @@ def worktree(repo: Path, commit: str, into: Path) -> Path:
     return into
 
 
+class RunFailed(Exception):
+    """A benchmark run exited with an error (its command, exit code and stderr's end)."""
+
+
+def figure_rows(got: dict[str, dict[str, dict[str, list[float]]]]) -> list[dict[str, Any]]:
+    """Each figure both sides measured: its median over the rounds so far per side, and
+    the ratio after / before."""
+    rows = []
+    for bench, sides in got.items():
+        for name in sorted(set(sides.get("before", {})) & set(sides.get("after", {}))):
+            b = statistics.median(sides["before"][name])
+            a = statistics.median(sides["after"][name])
+            rows.append(
+                {
+                    "bench": bench.split()[0],
+                    "figure": name,
+                    "before": b,
+                    "after": a,
+                    "ratio_after_over_before": ratio(a, b),
+                    "before_runs": sides["before"][name],
+                    "after_runs": sides["after"][name],
+                }
+            )
+    return rows
+
+
 def run_bench(
     tree: Path, bench: str, out: Path, timeout: float, keys: tuple[str, ...]
 ) -> dict[str, float]:
@@ -84,7 +112,7 @@ def run_bench(
     started = time.monotonic()
     done = subprocess.run(cmd, cwd=tree, env=env, timeout=timeout, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(
+        raise RunFailed(
             f"{' '.join(cmd)} (in {tree}) exited {done.returncode} after "
             f"{time.monotonic() - started:.0f} s:\n{done.stderr[-4000:]}"
         )
@@ -123,37 +151,43 @@ def main() -> int:
             made.append(trees["after"])
         # bench -> side -> figure -> one value per round
         got: dict[str, dict[str, dict[str, list[float]]]] = {}
-        for r in range(args.rounds):
-            order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
-            for bench in args.bench:
-                for side in order:
-                    figures = run_bench(
-                        trees[side], bench, work / f"{side}-{r}.json", args.timeout, keys
-                    )
-                    per = got.setdefault(bench, {}).setdefault(side, {})
-                    for name, value in figures.items():
-                        per.setdefault(name, []).append(value)
-                    print(f"round {r} {side:6s} {bench}: {len(figures)} figures", flush=True)
+        report: dict[str, Any] = {
+            "benchmark": "before_after",
+            "before": args.before,
+            "after": args.after or "work tree",
+            "rounds": args.rounds,
+            "benches": args.bench,
+            "complete": False,
+            "rounds_done": 0,
+            "failed": None,
+            "figures": [],
+        }
+        try:
+            for r in range(args.rounds):
+                order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
+                for bench in args.bench:
+                    for side in order:
+                        figures = run_bench(
+                            trees[side], bench, work / f"{side}-{r}.json", args.timeout, keys
+                        )
+                        per = got.setdefault(bench, {}).setdefault(side, {})
+                        for name, value in figures.items():
+                            per.setdefault(name, []).append(value)
+                        print(f"round {r} {side:6s} {bench}: {len(figures)} figures", flush=True)
+                        # written after every run: a later run's failure (or a stop)
+                        # loses nothing measured so far
+                        report["figures"] = figure_rows(got)
+                        write_report(report, args.out)
+                report["rounds_done"] = r + 1
+            report["complete"] = True
+        except RunFailed as ex:
+            report["failed"] = str(ex)
+            print(f"a run failed; the figures so far are kept:\n{ex}", file=sys.stderr)
     finally:
         for tree in made:
             subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)])
 
-    rows = []
-    for bench, sides in got.items():
-        for name in sorted(set(sides.get("before", {})) & set(sides.get("after", {}))):
-            b = statistics.median(sides["before"][name])
-            a = statistics.median(sides["after"][name])
-            rows.append(
-                {
-                    "bench": bench.split()[0],
-                    "figure": name,
-                    "before": b,
-                    "after": a,
-                    "ratio_after_over_before": ratio(a, b),
-                    "before_runs": sides["before"][name],
-                    "after_runs": sides["after"][name],
-                }
-            )
+    rows = report["figures"] = figure_rows(got)
     width = max((len(r["figure"]) for r in rows), default=10)
     print(f"{'figure':{width}s}  {'before':>10s}  {'after':>10s}  after/before")
     for row in rows:
@@ -162,16 +196,8 @@ def main() -> int:
             f"{row['figure']:{width}s}  {row['before']:10.4g}  {row['after']:10.4g}  "
             f"{'-' if rr is None else f'{rr:.3f}'}   ({row['bench']})"
         )
-    report = {
-        "benchmark": "before_after",
-        "before": args.before,
-        "after": args.after or "work tree",
-        "rounds": args.rounds,
-        "benches": args.bench,
-        "figures": rows,
-    }
     print(write_report(report, args.out))
-    return 0
+    return 0 if report["complete"] else 1
 
 
 if __name__ == "__main__":

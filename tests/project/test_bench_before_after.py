@@ -11,7 +11,7 @@ from paths import BENCHMARKS
 if str(BENCHMARKS) not in sys.path:
     sys.path.append(str(BENCHMARKS))
 
-from bench_before_after import medians
+from bench_before_after import figure_rows, medians
 
 
 def test_every_number_under_a_median_key_is_a_figure_named_by_its_path():
@@ -53,3 +53,16 @@ def test_records_in_a_list_are_named_by_their_whole_number_and_text_fields():
         "results[size=1000,shards=1].round_trip_s": 0.005,
         "results[size=1000,shards=2].round_trip_s": 0.007,
     }
+
+
+def test_a_figure_is_compared_only_once_both_sides_measured_it():
+    got = {
+        "bench_ps.py --sizes 1000": {
+            "before": {"rt": [2.0, 4.0, 3.0], "only_before": [1.0]},
+            "after": {"rt": [1.5, 1.5]},
+        },
+        "bench_endpoint.py": {"before": {"step": [1.0]}},  # its after run failed
+    }
+    (row,) = figure_rows(got)
+    assert row["bench"] == "bench_ps.py" and row["figure"] == "rt"
+    assert (row["before"], row["after"], row["ratio_after_over_before"]) == (3.0, 1.5, 0.5)
