@@ -125,8 +125,8 @@ def role(pid: int, driver: int | None = None) -> str:
     argv0 = cmd.split(b"\0", 1)[0]
     if argv0.endswith(b"java"):
         return "spark_jvm"
-    if b"pyspark" in cmd:
-        return "spark_python"
+    if b"pyspark" in cmd or b"hybrid_iter._runtime.worker_daemon" in cmd:
+        return "spark_python"  # forked by PySpark's daemon or by Session.local's
     if cmd.startswith(b"ray::"):
         name = argv0[5:]
         if b"Shard" in name:

@@ -2,7 +2,8 @@
 
 The subtask stops in ``hybrid_iter.testing.pause_worker`` (a ``PauseWorker`` hook of the
 estimators, or a call in ``ps.train``'s grad_fn) after writing its pid to a file; the
-test checks that the pid is a forked ``pyspark.daemon`` worker under this session's JVM
+test checks that the pid is a worker forked by a Python worker daemon under this
+session's JVM (the session's own, ``hybrid_iter._runtime.worker_daemon``, or PySpark's)
 and sends it SIGKILL, as an out-of-memory killer would. A fit relaunches once and gives
 the model of a fault-free fit bit for bit; a worker killed on every launch fails the fit
 with ``WorkerDiedError`` naming the partition, without Spark's JVM trace in its message.
@@ -23,6 +24,7 @@ import pytest
 
 import hybrid_iter as hi
 from hybrid_iter import ml, ps
+from hybrid_iter._session.local import WORKER_DAEMON
 from hybrid_iter.testing import FaultInjection, PauseWorker, pause_worker
 from spark_ops import WorkerDeath, python_worker_death
 
@@ -209,9 +211,11 @@ def _ancestors(pid: int) -> list[int]:
 
 
 def _is_our_python_worker(pid: int) -> bool:
-    """A ``pyspark.daemon`` worker forked under this test session's JVM."""
-    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-    return b"pyspark.daemon" in cmdline and os.getpid() in _ancestors(pid)
+    """A Python worker forked under this test session's JVM: by the daemon a
+    ``Session.local`` names, or by PySpark's own."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    forked_by_a_daemon = WORKER_DAEMON.encode() in argv or b"pyspark.daemon" in argv
+    return forked_by_a_daemon and os.getpid() in _ancestors(pid)
 
 
 class Killer:
