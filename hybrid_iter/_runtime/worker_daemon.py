@@ -22,19 +22,12 @@ from __future__ import annotations
 import importlib
 import warnings
 
-#: imported by the daemon before it forks: PySpark's worker, then what a subtask of ours
-#: imports (``hybrid_iter._cluster.warm_up.WORKER_MODULES`` imports them in a worker
-#: that runs on a daemon that is not this one)
-PRELOAD = (
-    "pyspark.worker",
-    "numpy",
-    "pyarrow",
-    "pandas",
-    "ray",
-    "hybrid_iter",
-    "hybrid_iter._runtime.task",
-    "hybrid_iter.ml",
-)
+from .._cluster.warm_up import WORKER_MODULES
+
+#: imported by the daemon before it forks: PySpark's worker and pandas (its Arrow
+#: serializers), then what a subtask of ours imports (the warm-up's list, which it imports
+#: in workers of a daemon that is not this one)
+PRELOAD = ("pyspark.worker", "pandas", *WORKER_MODULES)
 
 
 def preload(modules: tuple[str, ...] = PRELOAD) -> list[str]:
