@@ -260,6 +260,27 @@ def _fast_lane_starts_no_process(request):
         )
 
 
+# -- jobs started early ---------------------------------------------------------------------
+
+
+def pytest_collection_finish(session):
+    """The fresh-process jobs the selected test modules name in ``EARLY_JOBS`` start now,
+    beside the tests before theirs (``fresh_process.py``)."""
+    if session.config.option.collectonly:
+        return
+    import fresh_process
+
+    for module in {getattr(i, "module", None) for i in session.items} - {None}:
+        for job in getattr(module, "EARLY_JOBS", ()):
+            fresh_process.start_early(*job)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import fresh_process
+
+    fresh_process.stop_early()
+
+
 # -- the compatibility set (pytest -m spark_lines) ---------------------------------------
 
 _CHECK = "test_every_function_of_the_compatibility_module_runs_in_this_environment"

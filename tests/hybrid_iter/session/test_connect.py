@@ -30,6 +30,11 @@ pytestmark = [
 ]
 
 
+#: the Connect job starts once collection ends, beside the tests before these
+#: (``fresh_process.py``); where these tests skip, it does not start
+EARLY_JOBS = [("connect_attach_job", "all")] if compat.dataframe_barrier_paths(None) else []
+
+
 @pytest.fixture(scope="module")
 def connect():
     return run_job(
