@@ -417,6 +417,25 @@ class Table:
             self.touches[rows] += 1
             self.rule.rows(self.values, self.state, rows, g)
 
+    def remove(self, rows: np.ndarray) -> np.ndarray:
+        """Remove ``rows`` (unique row numbers): the rows left keep their order and are
+        numbered again from 0. Returns the new number of every old row (-1: removed),
+        for whoever remembers row numbers. A removed key reads as its initializer's
+        value again, and a later touch makes it a fresh row."""
+        n = self.index.n
+        keep = np.ones(n, dtype=bool)
+        keep[np.asarray(rows, dtype=np.int64)] = False
+        remap = np.full(n, -1, dtype=np.int64)
+        kept = np.flatnonzero(keep)
+        remap[kept] = np.arange(len(kept), dtype=np.int64)
+        if len(kept) == n:
+            return remap
+        self.index = KeyIndex.of(self.index.keys()[kept])
+        self.values = self.values[kept]
+        self.state = {name: a[kept] for name, a in self.state.items()}
+        self.touches = self.touches[kept]
+        return remap
+
     # -- snapshot -------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
