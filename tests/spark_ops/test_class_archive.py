@@ -5,7 +5,8 @@ a JVM that mapped it (cut short, its bytes changed, someone else's, writable by 
 a link, under a folder others can change) or a user's own CDS options are never
 combined with it. A damaged archive never stops a session: two sessions in a row, in
 processes of their own (``class_archive_job.py``), start with it damaged, the first
-setting it aside with a warning naming it."""
+setting it aside with a warning naming it (each the Spark half of ``Session.local``, which
+alone chooses and maps the archive; the Ray beside it takes no part)."""
 
 from __future__ import annotations
 
@@ -238,7 +239,8 @@ def test_a_damaged_archive_is_set_aside_and_the_sessions_after_it_start(
     # was (a third would repeat the second: no warm-up makes a new archive here)
     for i in range(2):
         # in tmp_path: where a JVM that crashed writes its hs_err_pid file
-        got = run_job("class_archive_job", "local", timeout=600, extra_env=env, cwd=tmp_path)
+        # Spark's half of Session.local(1): where the archive is chosen and set aside
+        got = run_job("class_archive_job", "spark", timeout=600, extra_env=env, cwd=tmp_path)
         assert got["count"] == 100  # the session works
         # the damaged file is never what the session's JVM maps
         assert not any(m.startswith(str(damaged)) for m in got["mapped"]), got
