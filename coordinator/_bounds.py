@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ._tables import mix64
+from ._mix import mix64
 
 __all__ = ["AdmissionSketch", "Bounds", "evictions"]
 

@@ -262,10 +262,13 @@ class _ShardShell:
     def info(self, top: int = 0) -> dict[str, Any]:
         """Counters; ``cpu_seconds`` is this shard process's CPU time so far (every
         thread: Ray's (de)serialisation and object-store puts included). Per table: keys
-        held, bytes; with ``top``, the most touched keys and their share of all touches."""
+        held, bytes (a bounded table: rows admitted and removed so far); with ``top``, the most touched keys and their share of all touches."""
         tables = {}
         for tab in self.tables:
             entry: dict[str, Any] = {"keys": len(tab), "bytes": tab.nbytes}
+            if tab.bounded:  # rows admitted and removed so far, the sketch's fixed size
+                entry["admitted"], entry["expired"] = tab.admitted, tab.expired
+                entry["sketch_bytes"] = 0 if tab.sketch is None else tab.sketch.nbytes
             if top:
                 keys, touches, total = tab.hottest(top)
                 entry["touches"] = total
@@ -375,12 +378,14 @@ class ParameterShard(_ShardShell):
         token: str | None = None,
         pid: int = -1,
         keys: Any = None,
+        counts: Any = None,
     ) -> Any:
         """``(version, inline values or None, object ref or None)``; sync: the parameters
         before step ``(epoch, step)``, async: the newest. With ``keys`` (per table) the
-        rows of those keys follow, remembered for ``pid``'s next push."""
+        rows of those keys follow, remembered for ``pid``'s next push; ``counts``: how
+        often the step sees each (the tables that admit a key after N sightings)."""
         slot = _Slot()
-        self._run(Pull(slot, pid, epoch, step, token, keys))
+        self._run(Pull(slot, pid, epoch, step, token, keys, counts))
         if not slot.answered:
             await slot.waiting()
         return slot.result()
@@ -398,14 +403,30 @@ class ParameterShard(_ShardShell):
         tables: Any = None,
         keys: Any = None,
         span: int | None = None,
+        counts: Any = None,
     ) -> Any:
         """Worker ``pid``'s gradient of step ``(epoch, step)`` (None: no step; a dense
         array or ``(indices, values)``; ``tables``: per table, gradient rows aligned with
         the rows sent for this step); with ``pull_next`` the reply carries the
-        parameters of its next step (and, with ``keys``, the rows of those keys)."""
+        parameters of its next step (and, with ``keys``, the rows of those keys;
+        ``counts`` as ``pull``'s)."""
         slot = _Slot()
         self._run(
-            Push(slot, pid, epoch, step, grad, rows, last, pull_next, token, tables, keys, span)
+            Push(
+                slot,
+                pid,
+                epoch,
+                step,
+                grad,
+                rows,
+                last,
+                pull_next,
+                token,
+                tables,
+                keys,
+                span,
+                counts,
+            )
         )
         if not slot.answered:
             await slot.waiting()
@@ -442,11 +463,12 @@ class FreeShard(_ShardShell):
         token: str | None = None,
         pid: int = -1,
         keys: Any = None,
+        counts: Any = None,
     ) -> Any:
         """The newest parameters ``(version, inline values or None, object ref or None)``
         (the step is not waited for in async mode: clients call it without arguments),
         with the rows of ``keys`` (per table) when given."""
-        return self._call(Pull(_Slot(), pid, epoch, step, token, keys))
+        return self._call(Pull(_Slot(), pid, epoch, step, token, keys, counts))
 
     def push(
         self,
@@ -461,11 +483,26 @@ class FreeShard(_ShardShell):
         tables: Any = None,
         keys: Any = None,
         span: int | None = None,
+        counts: Any = None,
     ) -> Any:
         """Apply ``grad`` (None: no step) and the table gradients on arrival; with
         ``pull_next`` reply with the newest parameters (and the rows of ``keys``)."""
         return self._call(
-            Push(_Slot(), pid, epoch, step, grad, rows, last, pull_next, token, tables, keys, span)
+            Push(
+                _Slot(),
+                pid,
+                epoch,
+                step,
+                grad,
+                rows,
+                last,
+                pull_next,
+                token,
+                tables,
+                keys,
+                span,
+                counts,
+            )
         )
 
     def push_packed(self, msg: tuple[Any, ...]) -> Any:

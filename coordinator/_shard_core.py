@@ -28,7 +28,13 @@ Gradients arrive dense (an array of the shard's length) or sparse (``(indices, v
 with sorted, unique indices local to the shard). A pull or push may carry, per table,
 the keys of the worker's next step: the core finds (on first touch: creates) their rows,
 remembers them for that worker, and the reply carries their values; the worker's next
-push carries the gradient rows in the same order.
+push carries the gradient rows in the same order. A table with bounds (``_bounds.py``)
+creates no row on a pull: the call also carries how often each key is seen in the step
+(``counts``), a key without a row reads as its initial value, and the step's apply
+admits keys (their gradient is applied to their new row; a key not admitted yet has
+its gradient dropped), then removes the rows expiry and the cap name. Remembered rows
+are looked up again where they are -1 and renumbered when rows go, so a reply always
+reads the rows as the last applied step left them.
 
 **Fencing**: every worker call carries the shards' ``token``; ``Reset`` and ``Restore``
 (the run's coordinator, after a failure) set a new one, so a task of a failed launch
@@ -86,14 +92,15 @@ from ._shard_protocol import (
     Wait,
     WriteCheckpoint,
 )
+from ._shard_tables import Part, Sent, admitted, check_counts, renumber, resolved
 from ._spare import SpareLife
 from ._tables import Table
 
 __all__ = ["ShardCore"]
 
 
-#: a step's table part as the shard keeps it: per table, (rows, gradient rows) or None
-_TableParts = list[tuple[np.ndarray, np.ndarray] | None]
+#: a step's table parts as the shard keeps them: per table, a part or None
+_TableParts = list[Part | None]
 
 
 @dataclass(slots=True)
@@ -195,7 +202,7 @@ class ShardCore(SpareLife):
         self._steps: dict[int, dict[int, int]] = {}
         self._waiters: list[_Waiting] = []
         # tables: the rows last sent to each worker, per table (its next push's rows)
-        self._sent: dict[int, list[np.ndarray | None]] = {}
+        self._sent: dict[int, list[Sent | None]] = {}
         # each worker's (epoch, step) after its last push, and its steps per epoch
         self.positions: dict[int, tuple[int, int]] = {}
         self._spans: dict[int, int] = {}
@@ -253,13 +260,18 @@ class ShardCore(SpareLife):
             assert not any(self._may_go(g.pid) for g in self._gates), "a gate left shut"
         k = self.spec.staleness_steps
         assert k is None or self.spec.sync or self.stats["max_lead"] <= k, "staleness exceeded"
+        for tab in self.tables:
+            cap = tab.spec.bounds.max_rows
+            assert cap is None or len(tab) <= cap, f"table {tab.spec.name!r} over its cap"
+            assert tab.bounded or tab.admitted == tab.expired == 0
 
     # -- event handlers ---------------------------------------------------------------------
 
     def _on_pull(self, ev: Pull, out: list[Instruction]) -> None:
         self._check_token(ev.token)
+        check_counts(self.spec.shard_id, self.tables, ev.pid, ev.keys, ev.counts)
         self._count_in(None, None, ev.keys)
-        self._prepare(ev.pid, ev.keys)
+        self._prepare(ev.pid, ev.keys, ev.counts)
         rows = ev.keys is not None
         if self.spec.sync:
             if (self.epoch, self.step) >= (ev.epoch, ev.step):
@@ -272,6 +284,7 @@ class ShardCore(SpareLife):
     def _on_push(self, ev: Push, out: list[Instruction]) -> None:
         self._check_token(ev.token)
         pid, epoch, step, grad = ev.pid, ev.epoch, ev.step, ev.grad
+        check_counts(self.spec.shard_id, self.tables, pid, ev.keys, ev.counts)
         self.stats["pushes"] += 1
         self._count_in(grad, ev.tables, ev.keys)
         self._refuse_bad_gradient(pid, epoch, step, grad)
@@ -285,7 +298,7 @@ class ShardCore(SpareLife):
             if not ev.pull_next:
                 self._answer(out, ev.slot, None)
                 return
-            self._prepare(pid, ev.keys)
+            self._prepare(pid, ev.keys, ev.counts)
             if self.spec.staleness_steps is None:
                 self._give(out, ev.slot, pid, rows, newest=True)
             elif self._may_go(pid):
@@ -304,7 +317,7 @@ class ShardCore(SpareLife):
         if not ev.pull_next:
             self._answer(out, ev.slot, None)
             return
-        self._prepare(pid, ev.keys)
+        self._prepare(pid, ev.keys, ev.counts)
         if (self.epoch, self.step) >= (epoch, step + 1):
             self._give(out, ev.slot, pid, rows, newest=False)
         else:
@@ -386,6 +399,7 @@ class ShardCore(SpareLife):
         for name, start in tab.rule.row_state().items():
             tab.state[name][rows] = start
         tab.touches[rows] = 0
+        tab.last_step[rows] = self.version
         self._answer(out, ev.slot, len(tab))
 
     def _on_configure(self, ev: Configure, out: list[Instruction]) -> None:
@@ -457,7 +471,10 @@ class ShardCore(SpareLife):
 
     def _rows(self, pid: int) -> tuple[np.ndarray | None, ...]:
         sent = self._sent.get(pid, [])
-        out = tuple(None if r is None else t.read(r) for t, r in zip(self.tables, sent))
+        out = tuple(
+            None if s is None else t.read_or_init(resolved(t, s), s.keys)
+            for t, s in zip(self.tables, sent)
+        )
         self.stats["bytes_out"] += sum(v.nbytes for v in out if v is not None)
         return out
 
@@ -540,29 +557,37 @@ class ShardCore(SpareLife):
         if tables is None:
             return None
         sent = self._sent.get(pid)
-        out: _TableParts = []
+        checked: list[tuple[Sent, np.ndarray] | None] = []
         for t, (tab, g) in enumerate(zip(self.tables, tables)):
             if g is None:
-                out.append(None)
+                checked.append(None)
                 continue
-            rows = sent[t] if sent is not None else None
+            got = sent[t] if sent is not None else None
             g = np.asarray(g, dtype=np.float64)
-            if rows is None or g.shape != (len(rows), tab.spec.dim):
+            if got is None or g.shape != (len(got.keys), tab.spec.dim):
                 raise UsageError(
                     f"parameter shard {self.spec.shard_id}: partition {pid} pushed gradient "
                     f"rows of shape {g.shape} for table {tab.spec.name!r}, but "
-                    f"{0 if rows is None else len(rows)} rows of dim {tab.spec.dim} were "
+                    f"{0 if got is None else len(got.keys)} rows of dim {tab.spec.dim} were "
                     f"sent to it for this step"
                 )
             i = first_nonfinite(g)
             if i is not None:
-                key = int(tab.index.keys_by_row[rows[i // tab.spec.dim]])
+                key = int(got.keys[i // tab.spec.dim])
                 raise NonFiniteGradient(
                     f"parameter shard {self.spec.shard_id} refused the push of partition {pid} "
                     f"at epoch {epoch}, step {step}: the gradient of table {tab.spec.name!r} "
                     f"for key {key} is {g.reshape(-1)[i]}; nothing of the push was applied"
                 )
-            out.append((rows, g))
+            checked.append((got, g))
+        out: _TableParts = []
+        for tab, c in zip(self.tables, checked):
+            if c is None:
+                out.append(None)
+                continue
+            mine, g = c
+            rows = resolved(tab, mine).copy()  # the part's own: _sent changes on
+            out.append(Part(mine.keys, rows, mine.counts, g))
         return out
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -573,13 +598,20 @@ class ShardCore(SpareLife):
                 return tab
         raise UsageError(f"parameter shard {self.spec.shard_id} holds no table {name!r}")
 
-    def _prepare(self, pid: int, keys: Any) -> None:
-        """Find (create) the rows of ``keys`` (per table) and remember them for ``pid``."""
+    def _prepare(self, pid: int, keys: Any, counts: Any = None) -> None:
+        """Find the rows of ``keys`` (per table; a table without bounds creates the
+        absent ones) and remember them for ``pid``."""
         if keys is None:
             return
-        sent: list[np.ndarray | None] = []
-        for tab, k in zip(self.tables, keys):
-            sent.append(None if k is None else tab.rows_for(np.asarray(k, np.int64), create=True))
+        sent: list[Sent | None] = []
+        for t, (tab, k) in enumerate(zip(self.tables, keys)):
+            if k is None:
+                sent.append(None)
+                continue
+            k = np.asarray(k, np.int64)
+            rows = tab.rows_for(k, create=not tab.bounded, step=self.version)
+            c = None if counts is None or counts[t] is None else np.asarray(counts[t], np.int64)
+            sent.append(Sent(k, rows, c))
         self._sent[pid] = sent
 
     def _count_in(self, grad: Any, tables: Any, keys: Any) -> None:
@@ -709,14 +741,22 @@ class ShardCore(SpareLife):
         dense = [(g, r) for g, r, _ in parts if g is not None]
         if dense and len(self.w):
             apply_dense(self.rule, self.w, dense, total, self._acc, self._part)
+        now = self.version
         for t, tab in enumerate(self.tables):
-            got = []
+            got: list[tuple[Part, float]] = []
             for _, r, tp in parts:
                 part = tp[t] if tp is not None else None
                 if part is not None:
                     got.append((part, r))
+            if tab.bounded and got:
+                got = admitted(tab, got, now)
             if got:
-                tab.apply(*weighted_rows(got, total, tab.spec.dim))
+                rg = [((p.rows, p.g), r) for p, r in got]
+                tab.apply(*weighted_rows(rg, total, tab.spec.dim), step=now)
+            if tab.bounded:
+                remap = tab.expire(now)
+                if remap is not None:
+                    renumber(self._sent.values(), t, remap)
         self.version += 1
         self._applied += 1
         self.stats["updates"] += 1

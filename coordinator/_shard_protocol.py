@@ -87,6 +87,8 @@ class Pull:
     step: int
     token: str | None
     keys: Any = None
+    #: per table, how often the step sees each of ``keys`` (tables with admission)
+    counts: Any = None
 
 
 @dataclass(slots=True)
@@ -108,6 +110,8 @@ class Push:
     tables: Any = None
     keys: Any = None
     span: int | None = None
+    #: per table, how often the next step sees each of ``keys`` (tables with admission)
+    counts: Any = None
 
 
 @dataclass(slots=True)

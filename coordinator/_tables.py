@@ -19,7 +19,11 @@ of keys: no Python loop per key on any path a training step takes.
   SC 2011, keyed by the seed with the key as counter), so it is the same whatever shard
   holds the key, whatever order keys arrive in, and whoever touches it first.
 * ``Table``: one table's rows on one shard: the index, the values ``(n, dim)``, the
-  optimizer's per-row state (created with the row) and per-row touch counts.
+  optimizer's per-row state (created with the row), per-row touch counts and the step
+  each row was last updated at. A table with bounds (``_bounds.Bounds``: admission
+  after N sightings, expiry, a row cap) creates rows only when a step is applied
+  (``admit``) and removes them after it (``expire``); one without creates a row when a
+  worker first asks for its key.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from ._bounds import AdmissionSketch, Bounds, evictions
+from ._mix import mix64
 
 __all__ = [
     "Init",
@@ -44,20 +51,6 @@ __all__ = [
 
 _U64 = np.uint64
 _MASK32 = _U64(0xFFFFFFFF)
-
-
-def mix64(keys: np.ndarray, salt: int = 0) -> np.ndarray:
-    """splitmix64 of the state ``key + (salt + 1) * golden`` as uint64 (wrapping
-    arithmetic): the golden-ratio step first, so no key is a fixed point (0 included)."""
-    x = np.asarray(keys, dtype=np.int64).view(np.uint64)
-    with np.errstate(over="ignore"):
-        x = x + _U64((0x9E3779B97F4A7C15 * (salt + 1)) & 0xFFFFFFFFFFFFFFFF)
-        x ^= x >> _U64(30)
-        x *= _U64(0xBF58476D1CE4E5B9)
-        x ^= x >> _U64(27)
-        x *= _U64(0x94D049BB133111EB)
-        x ^= x >> _U64(31)
-    return x
 
 
 def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
@@ -338,13 +331,15 @@ def init_rows(init: Init, keys: np.ndarray, dim: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class TableSpec:
-    """A table as the shards need it: name, row width, initializer, update rule."""
+    """A table as the shards need it: name, row width, initializer, update rule, and
+    its bounds on this shard (``max_rows`` is this shard's share)."""
 
     name: str
     dim: int
     init: Init
     rule: str
     rule_params: Mapping[str, float]
+    bounds: Bounds = field(default_factory=Bounds)
 
 
 class Table:
@@ -363,6 +358,15 @@ class Table:
             name: np.empty((0, spec.dim)) for name in rule.row_state()
         }
         self.touches = np.empty(0, dtype=np.int64)
+        #: the step each row was created or last updated at (what expiry reads)
+        self.last_step = np.empty(0, dtype=np.int64)
+        b = spec.bounds
+        #: sightings of keys without a row (None: every key is admitted at once)
+        self.sketch = None if b.admits_all else AdmissionSketch.of(b)
+        #: rows made only when a step is applied, removed after it (see the module doc)
+        self.bounded = self.sketch is not None or b.ttl_steps is not None or b.max_rows is not None
+        #: rows made by admission and rows removed by expiry or the cap, so far
+        self.admitted = self.expired = 0
 
     def __len__(self) -> int:
         return self.index.n
@@ -373,30 +377,77 @@ class Table:
         per_row = self.values.itemsize * self.spec.dim * (1 + len(self.state)) + 8
         return self.index.nbytes + held * per_row
 
-    def rows_for(self, keys: np.ndarray, *, create: bool) -> np.ndarray:
+    def rows_for(self, keys: np.ndarray, *, create: bool, step: int = 0) -> np.ndarray:
         """Rows of ``keys`` (unique int64); with ``create`` absent keys become rows set
-        by the initializer (their optimizer state to its initial value), else -1."""
+        by the initializer (their optimizer state to its initial value) at ``step``,
+        else -1."""
         if not create:
             return self.index.find(keys)
         rows, new = self.index.find_or_insert(keys)
         if new.size:
-            self._make_room(self.index.n)
-            fresh = rows[new]
-            self.values[fresh] = init_rows(self.spec.init, keys[new], self.spec.dim)
-            for name, start in self.rule.row_state().items():
-                self.state[name][fresh] = start
-            self.touches[fresh] = 0
+            self._fill_new(rows[new], keys[new], step)
         return rows
+
+    def _fill_new(self, fresh: np.ndarray, keys: np.ndarray, step: int) -> None:
+        self._make_room(self.index.n)
+        self.values[fresh] = init_rows(self.spec.init, keys, self.spec.dim)
+        for name, start in self.rule.row_state().items():
+            self.state[name][fresh] = start
+        self.touches[fresh] = 0
+        self.last_step[fresh] = step
 
     def _make_room(self, n: int) -> None:
         self.values = _grown(self.values, n)
         for name in self.state:
             self.state[name] = _grown(self.state[name], n)
         self.touches = _grown(self.touches, n)
+        self.last_step = _grown(self.last_step, n)
+
+    def admit(self, keys: np.ndarray, counts: np.ndarray, step: int) -> np.ndarray:
+        """The rows of a step's keys (unique) seen ``counts`` times in it: a key without
+        a row gets one (its initial value) if the sketch admits it now, or at once
+        without a sketch; -1 for a key not admitted (yet)."""
+        keys = np.asarray(keys, dtype=np.int64)
+        rows = self.index.find(keys)
+        absent = np.flatnonzero(rows < 0)
+        if absent.size:
+            if self.sketch is not None:
+                absent = absent[self.sketch.add(keys[absent], np.asarray(counts)[absent])]
+            if absent.size:
+                rows[absent] = self.index.insert_new(keys[absent])
+                self._fill_new(rows[absent], keys[absent], step)
+                self.admitted += int(absent.size)
+        return rows
+
+    def expire(self, step: int) -> np.ndarray | None:
+        """After ``step``: remove the rows its bounds say go (``_bounds.evictions``);
+        the new number of every old row (``remove``), or None when none went."""
+        b = self.spec.bounds
+        n = self.index.n
+        if b.ttl_steps is None and (b.max_rows is None or n <= b.max_rows):
+            return None
+        gone = evictions(
+            self.index.keys(), self.last_step[:n], step, ttl_steps=b.ttl_steps, max_rows=b.max_rows
+        )
+        if not gone.size:
+            return None
+        self.expired += int(gone.size)
+        return self.remove(gone)
 
     def read(self, rows: np.ndarray) -> np.ndarray:
         """Values of ``rows`` (a copy)."""
         out: np.ndarray = self.values[rows]
+        return out
+
+    def read_or_init(self, rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """Values of ``rows``; where a row is -1, the initial value of its key (a key
+        not admitted, or removed, reads as never touched)."""
+        miss = rows < 0
+        if not miss.any():
+            return self.read(rows)
+        out = np.empty((len(rows), self.spec.dim))
+        out[~miss] = self.values[rows[~miss]]
+        out[miss] = init_rows(self.spec.init, np.asarray(keys)[miss], self.spec.dim)
         return out
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
@@ -411,10 +462,11 @@ class Table:
             out[miss] = init_rows(self.spec.init, np.asarray(keys)[miss], self.spec.dim)
         return out
 
-    def apply(self, rows: np.ndarray, g: np.ndarray) -> None:
-        """One update of ``rows`` (unique) by the gradient rows ``g``."""
+    def apply(self, rows: np.ndarray, g: np.ndarray, step: int = 0) -> None:
+        """One update of ``rows`` (unique) by the gradient rows ``g``, at ``step``."""
         if len(rows):
             self.touches[rows] += 1
+            self.last_step[rows] = step
             self.rule.rows(self.values, self.state, rows, g)
 
     def remove(self, rows: np.ndarray) -> np.ndarray:
@@ -434,20 +486,26 @@ class Table:
         self.values = self.values[kept]
         self.state = {name: a[kept] for name, a in self.state.items()}
         self.touches = self.touches[kept]
+        self.last_step = self.last_step[kept]
         return remap
 
     # -- snapshot -------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        """Every row (keys in row order, values, optimizer state, touches) and the
-        rule's scalars: what ``restore`` takes back exactly."""
+        """Every row (keys in row order, values, optimizer state, touches, last steps),
+        the rule's scalars and the admission sketch: what ``restore`` takes back
+        exactly."""
         n = self.index.n
         return {
             "keys": self.index.keys().copy(),
             "values": self.values[:n].copy(),
             "state": {k: v[:n].copy() for k, v in self.state.items()},
             "touches": self.touches[:n].copy(),
+            "last_step": self.last_step[:n].copy(),
             "rule": self.rule.scalars(),
+            "sketch": None if self.sketch is None else self.sketch.to_plain(),
+            "admitted": self.admitted,
+            "expired": self.expired,
         }
 
     def restore(self, snap: Mapping[str, Any]) -> None:
@@ -459,7 +517,13 @@ class Table:
             for k in self.rule.row_state()
         }
         self.touches = np.array(snap["touches"], dtype=np.int64)
+        # (a checkpoint of a table without bounds may predate the last steps)
+        self.last_step = np.array(snap.get("last_step", np.zeros(len(keys))), dtype=np.int64)
         self.rule.set_scalars(snap["rule"])
+        if self.sketch is not None:
+            self.sketch = AdmissionSketch.from_plain(snap["sketch"])
+        self.admitted = int(snap.get("admitted", 0))
+        self.expired = int(snap.get("expired", 0))
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """``(keys, values)`` of every row, sorted by key (copies)."""

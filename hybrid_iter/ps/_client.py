@@ -44,9 +44,15 @@ class TablePlan:
     columns: tuple[tuple[str, ...], ...]
     group_of: tuple[int, ...]
     groups: tuple[tuple[str, ...], ...]
+    #: per table, whether its shards count each id's sightings (admission after N)
+    counted: tuple[bool, ...] = ()
 
     @classmethod
-    def of(cls, tables: Sequence[tuple[str, int, tuple[str, ...]]]) -> TablePlan:
+    def of(
+        cls,
+        tables: Sequence[tuple[str, int, tuple[str, ...]]],
+        counted: Sequence[bool] | None = None,
+    ) -> TablePlan:
         groups: list[tuple[str, ...]] = []
         group_of = []
         for _, _, cols in tables:
@@ -59,6 +65,7 @@ class TablePlan:
             tuple(t[2] for t in tables),
             tuple(group_of),
             tuple(groups),
+            tuple(bool(c) for c in counted) if counted is not None else (False,) * len(tables),
         )
 
     @property
@@ -71,17 +78,33 @@ class StepKeys:
     """The ids one batch references, per key group: ``uniq[g]`` (unique, in order of
     first appearance), ``positions[g][c]`` (each entry of column ``c`` in ``uniq[g]``),
     and the routing: ``order[g][cuts[g][j]:cuts[g][j + 1]]`` are the positions in
-    ``uniq[g]`` of the ids shard ``j`` owns."""
+    ``uniq[g]`` of the ids shard ``j`` owns. ``counts[g]``: how many entries hold each
+    id (for the tables whose shards count sightings; None where no table of the group
+    does)."""
 
     uniq: list[np.ndarray]
     positions: list[dict[str, np.ndarray]]
     order: list[np.ndarray]
     cuts: list[np.ndarray]
+    counts: list[np.ndarray | None] | None = None
 
     def for_shard(self, plan: TablePlan, j: int) -> tuple[np.ndarray, ...]:
         """Per table, the ids of shard ``j`` (tables of one group share one array)."""
         per_group = [u[o[c[j] : c[j + 1]]] for u, o, c in zip(self.uniq, self.order, self.cuts)]
         return tuple(per_group[g] for g in plan.group_of)
+
+    def counts_for_shard(self, plan: TablePlan, j: int) -> tuple[np.ndarray | None, ...] | None:
+        """Per table, the sightings of shard ``j``'s ids (None: a table that does not
+        count them); None when no table does."""
+        if self.counts is None:
+            return None
+        per_group = [
+            None if n is None else n[o[c[j] : c[j + 1]]]
+            for n, o, c in zip(self.counts, self.order, self.cuts)
+        ]
+        return tuple(
+            per_group[g] if counted else None for g, counted in zip(plan.group_of, plan.counted)
+        )
 
     def split(self, plan: TablePlan, t: int, g: np.ndarray, j: int) -> np.ndarray:
         """Table ``t``'s rows ``g`` (aligned with its ids) that shard ``j`` owns."""
@@ -106,8 +129,10 @@ def _factorize(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def step_keys(plan: TablePlan, ids: Mapping[str, np.ndarray], num_shards: int) -> StepKeys:
     """The key plan of one batch whose columns hold ``ids`` (by column name)."""
     uniq, positions, order, cuts = [], [], [], []
+    counts: list[np.ndarray | None] = []
+    counted = {g for g, c in zip(plan.group_of, plan.counted) if c}
     wanted = np.arange(num_shards + 1)
-    for cols in plan.groups:
+    for g, cols in enumerate(plan.groups):
         parts = [ids[c] for c in cols]
         allids = parts[0] if len(parts) == 1 else np.concatenate(parts)
         codes, u = _factorize(allids)
@@ -118,7 +143,8 @@ def step_keys(plan: TablePlan, ids: Mapping[str, np.ndarray], num_shards: int) -
         uniq.append(u)
         order.append(o)
         cuts.append(np.searchsorted(sh[o], wanted))
-    return StepKeys(uniq, positions, order, cuts)
+        counts.append(np.bincount(codes, minlength=len(u)) if g in counted else None)
+    return StepKeys(uniq, positions, order, cuts, counts if counted else None)
 
 
 class ShardLinks(Protocol):
@@ -333,9 +359,12 @@ class Shards:
         if keys is None:
             at = (epoch, step) if self.sync else (0, 0)
             return self._assemble(self.link.call("pull", [(*at, self.token)] * self.n))
-        assert self.plan is not None
+        plan = self.plan
+        assert plan is not None
         calls = [
-            (epoch, step, self.token, pid, keys.for_shard(self.plan, j)) for j in range(self.n)
+            (epoch, step, self.token, pid, keys.for_shard(plan, j))
+            + ((keys.counts_for_shard(plan, j),) if keys.counts is not None else ())
+            for j in range(self.n)
         ]
         replies = self.link.call("pull", calls)
         return self._assemble(replies), self._tables(replies, keys)
@@ -384,6 +413,8 @@ class Shards:
                     )
                 nk = next_keys.for_shard(self.plan, j) if next_keys is not None else None
                 msg = (pid, epoch, step, part, rows, last, not last, self.token, tparts, nk, span)
+                if next_keys is not None and next_keys.counts is not None:
+                    msg = (*msg, next_keys.counts_for_shard(self.plan, j))
             calls.append((msg,))
         replies = self.link.call("push_packed", calls)
         if last:

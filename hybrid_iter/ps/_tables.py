@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator._bounds import Bounds
 from coordinator._tables import Init
 
 from .._config import _is_int
@@ -112,11 +113,24 @@ class Table:
     (default ``Zeros()``), updated by ``optimizer`` (default: ``ps.train``'s).
 
     Declare each table once (one ``Table`` object per name): two names given the same
-    object would share its seed and get identical rows."""
+    object would share its seed and get identical rows.
+
+    Bounds, for tables over ids without end (a stream's users, items, ads; see
+    docs/ps.md#bounded-tables): ``min_count`` sightings (rows of batches that hold the
+    id) before an id takes a row (until then it reads as ``init`` and its gradient is
+    dropped; counted in a fixed-size sketch, so ids seen once take no memory);
+    ``ttl_steps``: a row not updated for that many steps is removed (it reads as
+    ``init`` again); ``max_rows``: at most that many rows in all, the least recently
+    updated removed first (each of the ``n`` shards keeps ``max_rows // n``). Sync
+    training decides all three from the batches alone: the same batches give the same
+    table, bit for bit."""
 
     dim: int = 1
     init: Initializer = field(default_factory=Zeros)
     optimizer: Optimizer | None = None
+    min_count: int = 1
+    ttl_steps: int | None = None
+    max_rows: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.dim) or self.dim < 1:
@@ -126,9 +140,26 @@ class Table:
                 f"Table(init=...) must be ps.Zeros(), ps.Normal(...), ps.Uniform(...) or "
                 f"ps.Constant(...), got {type(self.init).__name__}"
             )
+        for name in ("min_count", "ttl_steps", "max_rows"):
+            value = getattr(self, name)
+            if (value is not None or name == "min_count") and (not _is_int(value) or value < 1):
+                none = "" if name == "min_count" else "None or "
+                raise IterationConfigError(
+                    f"Table({name}=...) must be {none}an int >= 1, got {value!r}"
+                )
+        if self.min_count > 65535:
+            raise IterationConfigError(
+                f"Table(min_count=...) must be at most 65535 (sightings are counted in "
+                f"16 bits), got {self.min_count!r}"
+            )
         if self.optimizer is not None and not isinstance(self.optimizer, Optimizer):
             raise IterationConfigError(
                 f"Table(optimizer=...) must be None (ps.train's optimizer) or ps.SGD(...), "
                 f"ps.Adam(...), ps.Adagrad(...), ps.FTRL(...), got "
                 f"{type(self.optimizer).__name__}"
             )
+
+    def bounds_on(self, num_shards: int) -> Bounds:
+        """The bounds each of ``num_shards`` shards keeps (its share of ``max_rows``)."""
+        cap = None if self.max_rows is None else max(1, self.max_rows // num_shards)
+        return Bounds(self.min_count, self.ttl_steps, cap)

@@ -536,7 +536,10 @@ def train(
         )
         for t, tab in tables.items()
     )
-    plan_tables = TablePlan.of([(s.name, s.dim, key_cols[s.name]) for s in specs])
+    plan_tables = TablePlan.of(
+        [(s.name, s.dim, key_cols[s.name]) for s in specs],
+        counted=[tables[s.name].min_count > 1 for s in specs],
+    )
 
     from spark_ops import available_task_slots
 
@@ -556,6 +559,10 @@ def train(
         bounds = shard_bounds(size, max(table_shards(n, cpus), len(shard_bounds(size, None)) - 1))
     else:
         bounds = shard_bounds(size, num_shards)
+    # each shard's share of the tables' row caps
+    specs = tuple(
+        dataclasses.replace(s, bounds=tables[s.name].bounds_on(len(bounds) - 1)) for s in specs
+    )
     config = IterationConfig(
         staleness=iteration_staleness,
         max_epochs=epochs,
