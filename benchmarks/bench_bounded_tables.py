@@ -101,7 +101,8 @@ def run(name: str, bounds: Bounds, steps: int, new: int, hot: np.ndarray) -> dic
     return {
         "contender": name,
         "bounds": bounds.to_plain(),
-        "ids_seen": steps * new + len(hot),
+        # every step's ids and the next step's, asked for by the last push
+        "ids_seen": (steps + 1) * new + len(hot),
         "rows_end": len(tab),
         "max_rows_seen": max(t["rows"] for t in trace),
         "table_bytes_end": trace[-1]["table_bytes"],
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     write_report(report, path)
 
     def draw(axes: Any) -> None:
-        left, right = axes
+        left, right = axes[0]
         for r in results:
             steps = [t["step"] for t in r["trace"]]
             left.plot(steps, [t["rows"] for t in r["trace"]], label=r["contender"])

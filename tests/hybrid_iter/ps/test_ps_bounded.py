@@ -121,7 +121,7 @@ def numpy_bounded(bags, y, x, *, epochs, batch, min_count, ttl, cap):
 
 @pytest.mark.parametrize(
     ("min_count", "ttl", "cap"),
-    [(3, None, None), (1, 4, None), (2, 6, 24)],
+    [(3, None, None), (1, 2, None), (2, 6, 24)],
     ids=["admission", "expiry", "admission-expiry-cap"],
 )
 def test_sync_training_of_a_bounded_table_equals_the_loop_over_exact_counts(
