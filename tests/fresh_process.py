@@ -61,6 +61,7 @@ class Job:
             ],
             cwd=str(cwd or TESTS),
             env=env,
+            stdin=subprocess.DEVNULL,  # never the runner's (a job reads nothing from it)
             stdout=self._stdout,
             stderr=self._stderr,
             text=True,
