@@ -453,14 +453,7 @@ class Table:
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Values of ``keys`` without creating rows: an absent key reads as its
         initializer's value (what its first touch would give it)."""
-        rows = self.index.find(keys)
-        out = np.empty((len(keys), self.spec.dim))
-        have = rows >= 0
-        out[have] = self.values[rows[have]]
-        miss = ~have
-        if miss.any():
-            out[miss] = init_rows(self.spec.init, np.asarray(keys)[miss], self.spec.dim)
-        return out
+        return self.read_or_init(self.index.find(keys), keys)
 
     def apply(self, rows: np.ndarray, g: np.ndarray, step: int = 0) -> None:
         """One update of ``rows`` (unique) by the gradient rows ``g``, at ``step``."""

@@ -12,6 +12,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from test_ps_sparse import lr_grad  # the same logistic regression on a bag of ids
 
 import hybrid_iter as hi
 from coordinator._tables import shard_of
@@ -41,15 +42,6 @@ def clicks(spark):
     df.count()
     yield df, bags, y, x
     df.unpersist()
-
-
-def lr_grad(params, batch):
-    ids, y, x = batch["ids"], batch["label"], batch["x"]
-    z = ids.dot(params["w"])[:, 0] + params["a"][0] * x + params["b"][0]
-    p = 1.0 / (1.0 + np.exp(-z))
-    loss = float(np.mean(np.logaddexp(0.0, z) - y * z))
-    r = (p - y) / len(y)
-    return loss, {"w": ids.t_dot(r), "a": np.array([r @ x]), "b": np.array([r.sum()])}
 
 
 def numpy_bounded(bags, y, x, *, epochs, batch, min_count, ttl, cap):
