@@ -457,9 +457,9 @@ def _entry(repeats: int, calls: int, n: int) -> dict[str, Any]:
         # each process runs right after another one ended (whose processes may still be
         # exiting): the order alternates between repeats, so that neither contender is
         # always the one that follows
-        kinds = ("iterate", "ps") if r % 2 == 0 else ("ps", "iterate")
-        for kind in kinds:
-            for warm in (True, False) if r % 2 == 0 else (False, True):
+        step = 1 if r % 2 == 0 else -1
+        for kind in ("iterate", "ps")[::step]:
+            for warm in (True, False)[::step]:
                 key = f"{kind}_{'warm_up' if warm else 'no_warm_up'}"
                 got = _fresh(f"entry_worker({kind!r}, {warm}, {calls}, {n})")
                 runs.setdefault(key, []).append(got["seconds"])
